@@ -1,0 +1,1 @@
+"""Lightning callbacks for torch-handle runs."""

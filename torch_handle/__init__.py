@@ -1,0 +1,3 @@
+"""torch-handle: a handwritten Transformer trained with PyTorch Lightning."""
+
+__version__ = "0.1.0"

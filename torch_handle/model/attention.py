@@ -1,0 +1,103 @@
+"""Multi-head attention with rotary positions and a key/value cache."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from torch_handle.model.kernels import attend
+from torch_handle.model.masks import MaskSpec
+from torch_handle.model.positions import apply_rope
+
+
+class KVCache:
+    """Keys and values of one attention layer, preallocated for ``capacity`` positions.
+
+    Beam search reorders it along the batch dimension with :meth:`reorder`.
+    """
+
+    def __init__(self) -> None:
+        self.k: Tensor | None = None  # (B, H, capacity, D)
+        self.v: Tensor | None = None
+        self.length = 0
+
+    def append(self, k: Tensor, v: Tensor, capacity: int) -> tuple[Tensor, Tensor]:
+        if self.k is None:
+            shape = (*k.shape[:2], capacity, k.shape[-1])
+            self.k, self.v = k.new_empty(shape), v.new_empty(shape)
+        assert self.v is not None
+        end = self.length + k.shape[-2]
+        self.k[:, :, self.length : end] = k
+        self.v[:, :, self.length : end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+    def reorder(self, index: Tensor) -> None:
+        if self.k is not None and self.v is not None:
+            self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
+
+
+class MultiHeadAttention(nn.Module):
+    """Scaled dot-product attention over ``num_heads`` heads.
+
+    The projection weights are packed as in ``torch.nn.MultiheadAttention`` (``in_proj`` holds query, key
+    and value), so self-attention runs one matrix multiply for all three and weights copy over one to one.
+
+    Args:
+        d_model: Model width.
+        num_heads: Number of heads.
+        dropout: Dropout on the attention weights (training only).
+        backend: Attention kernel name (see :mod:`torch_handle.model.kernels`).
+    """
+
+    def __init__(self, d_model: int, num_heads: int, dropout: float, backend: str) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.dropout = dropout
+        self.backend = backend
+        self.in_proj = nn.Linear(d_model, 3 * d_model)
+        self.out_proj = nn.Linear(d_model, d_model)
+
+    def _heads(self, x: Tensor) -> Tensor:  # (B, T, C) -> (B, H, T, D)
+        b, t, c = x.shape
+        return x.view(b, t, self.num_heads, c // self.num_heads).transpose(1, 2)
+
+    def forward(
+        self,
+        x: Tensor,
+        spec: MaskSpec,
+        memory: Tensor | None = None,
+        rope: tuple[Tensor, Tensor] | None = None,
+        cache: KVCache | None = None,
+        capacity: int = 0,
+    ) -> Tensor:
+        """Attend from ``x (B, T, C)`` to itself, or to ``memory (B, S, C)`` for cross-attention.
+
+        Args:
+            x: Queries (and keys/values for self-attention).
+            spec: Masking for this call.
+            memory: Encoder output for cross-attention; ``None`` for self-attention.
+            rope: ``(cos, sin)`` for the query positions, applied to queries and keys (self-attention).
+            cache: Self-attention: new keys/values are appended. Cross-attention: filled on first use.
+            capacity: Positions to preallocate when a self-attention cache is first filled.
+        """
+        c = x.shape[-1]
+        w, b = self.in_proj.weight, self.in_proj.bias
+        if memory is None:
+            q, k, v = (self._heads(t) for t in F.linear(x, w, b).chunk(3, dim=-1))
+            if rope is not None:
+                q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            if cache is not None:
+                k, v = cache.append(k, v, capacity)
+        else:
+            q = self._heads(F.linear(x, w[:c], b[:c]))
+            if cache is not None and cache.k is not None:
+                k, v = cache.k, cache.v
+            else:
+                k, v = (self._heads(t) for t in F.linear(memory, w[c:], b[c:]).chunk(2, dim=-1))
+                if cache is not None:
+                    cache.k, cache.v = k, v
+        dropout_p = self.dropout if self.training else 0.0
+        out = attend(q, k, v, spec, self.backend, dropout_p)  # (B, H, T, D)
+        return self.out_proj(out.transpose(1, 2).reshape(x.shape))

@@ -1,0 +1,128 @@
+"""The model's hyper-parameters: plain values that check themselves."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+Activation = Literal["relu", "gelu"]
+Position = Literal["sinusoidal", "learned", "rope", "alibi"]
+RopeScaling = Literal["linear", "ntk"]
+EncoderAttention = Literal["full", "local"]
+AttentionBackend = Literal["auto", "naive", "sdpa", "flex", "xformers"]
+
+_CHOICES: dict[str, tuple[Any, ...]] = {
+    "activation": ("relu", "gelu"),
+    "position": ("sinusoidal", "learned", "rope", "alibi"),
+    "rope_scaling": (None, "linear", "ntk"),
+    "encoder_attention": ("full", "local"),
+    "attention_backend": ("auto", "naive", "sdpa", "flex", "xformers"),
+}
+
+
+@dataclass
+class TransformerConfig:
+    """Hyper-parameters of the encoder-decoder Transformer.
+
+    Defaults are the paper's base model ("Attention Is All You Need", post-LN, sinusoidal positions).
+
+    Args:
+        src_vocab_size: Source vocabulary size.
+        tgt_vocab_size: Target vocabulary size.
+        d_model: Width of every residual stream.
+        num_heads: Attention heads; must divide ``d_model``.
+        num_encoder_layers: Encoder depth.
+        num_decoder_layers: Decoder depth.
+        d_ff: Hidden width of the feed-forward blocks.
+        dropout: Dropout on residual branches, feed-forward hidden units and attention weights.
+        activation: Feed-forward non-linearity.
+        norm_first: ``False`` is post-LN as in the paper; ``True`` is pre-LN, which trains deep stacks
+            without warmup tricks.
+        position: How positions enter: additive ``sinusoidal`` or ``learned`` tables, ``rope`` rotations
+            or ``alibi`` biases (the last two extrapolate beyond ``max_len``).
+        rope_scaling: How RoPE stretches beyond its trained length: ``linear`` (position interpolation)
+            or ``ntk`` (base rescaling); ``None`` leaves it unscaled.
+        rope_scaling_factor: Stretch factor for ``rope_scaling`` (>= 1).
+        rope_base: RoPE's frequency base.
+        max_len: Longest sequence for the ``sinusoidal`` and ``learned`` tables; the trained length that
+            RoPE scaling refers to.
+        encoder_attention: ``full`` or ``local`` (sliding-window) self-attention in the encoder.
+        window: For local attention, how many positions on each side a token attends to.
+        attention_backend: Attention kernel; ``auto`` picks the fastest that supports the configuration on
+            the current device.
+        cross_downsample: Average-pool the encoder output by this factor before cross-attention (1 = off).
+        activation_checkpointing: Recompute each layer's activations in the backward pass.
+        tie_embeddings: Share the target embedding with the output projection (and with the source
+            embedding when both vocabularies have the same size), as in the paper.
+        layer_norm_eps: Epsilon of every LayerNorm.
+        pad_id: Padding token id; padding masks are derived from it.
+        bos_id: Token that starts every decoder input.
+        eos_id: Token that ends a sequence.
+    """
+
+    src_vocab_size: int = 8000
+    tgt_vocab_size: int = 8000
+    d_model: int = 512
+    num_heads: int = 8
+    num_encoder_layers: int = 6
+    num_decoder_layers: int = 6
+    d_ff: int = 2048
+    dropout: float = 0.1
+    activation: Activation = "relu"
+    norm_first: bool = False
+    position: Position = "sinusoidal"
+    rope_scaling: RopeScaling | None = None
+    rope_scaling_factor: float = 1.0
+    rope_base: float = 10000.0
+    max_len: int = 1024
+    encoder_attention: EncoderAttention = "full"
+    window: int = 512
+    attention_backend: AttentionBackend = "auto"
+    cross_downsample: int = 1
+    activation_checkpointing: bool = False
+    tie_embeddings: bool = False
+    layer_norm_eps: float = 1e-5
+    pad_id: int = 0
+    bos_id: int = 1
+    eos_id: int = 2
+
+    def __post_init__(self) -> None:
+        for name, choices in _CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not one of {choices}")
+        for name in ("src_vocab_size", "tgt_vocab_size", "d_model", "num_heads", "d_ff", "max_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("num_encoder_layers", "num_decoder_layers"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.d_model % self.num_heads:
+            raise ValueError(
+                f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}: "
+                "choose num_heads that divides d_model"
+            )
+        if self.position == "rope" and (self.d_model // self.num_heads) % 2:
+            raise ValueError(f"position='rope' needs an even head dimension, got {self.d_model // self.num_heads}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.window < 1:
+            raise ValueError(f"window must be >= 1, got {self.window}")
+        if self.cross_downsample < 1:
+            raise ValueError(f"cross_downsample must be >= 1 (1 = off), got {self.cross_downsample}")
+        if self.rope_scaling_factor < 1.0:
+            raise ValueError(f"rope_scaling_factor must be >= 1, got {self.rope_scaling_factor}")
+        if self.rope_scaling is not None and self.position != "rope":
+            raise ValueError(f"rope_scaling={self.rope_scaling!r} needs position='rope', got {self.position!r}")
+        ids = {"pad_id": self.pad_id, "bos_id": self.bos_id, "eos_id": self.eos_id}
+        for name, value in ids.items():
+            if not 0 <= value < min(self.src_vocab_size, self.tgt_vocab_size):
+                raise ValueError(f"{name}={value} is outside the vocabulary")
+        if len(set(ids.values())) != 3:
+            raise ValueError(f"pad_id, bos_id and eos_id must differ, got {ids}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

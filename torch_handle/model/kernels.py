@@ -1,0 +1,218 @@
+"""Attention kernels behind one signature: ``attend(q, k, v, spec, backend, dropout_p)``.
+
+``naive`` writes the softmax out and is the reference; ``sdpa`` calls
+``F.scaled_dot_product_attention``; ``flex`` compiles ``flex_attention`` with a block mask (sliding
+window) and a score mod (ALiBi); ``xformers`` calls ``memory_efficient_attention`` on CUDA.
+
+Local attention on ``naive`` and ``sdpa`` runs block by block: queries in chunks of ``w`` positions see
+the ``3w`` keys around them, so memory grows as ``S * w`` and no ``S x S`` tensor is ever built.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import math
+from collections.abc import Callable
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from torch_handle.model.masks import MaskSpec, alibi_bias, allowed, dense_mask
+
+log = logging.getLogger(__name__)
+
+Kernel = Callable[[Tensor, Tensor, Tensor, Tensor | None, float], Tensor]
+
+
+class BackendUnavailableError(RuntimeError):
+    """An attention backend was asked for explicitly but cannot run here."""
+
+
+def _naive(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float) -> Tensor:
+    scores = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)  # (..., Tq, Tk)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    if dropout_p:
+        weights = F.dropout(weights, dropout_p)
+    return weights @ v
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float) -> Tensor:
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+
+
+def _dense(kernel: Kernel, q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, dropout_p: float) -> Tensor:
+    if kernel is _sdpa and spec.causal and spec.key_padding is None and spec.alibi is None and spec.window is None:
+        if spec.q_offset == 0 and q.shape[-2] == k.shape[-2]:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        if q.shape[-2] == 1:  # one new token sees the whole cache
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+    mask = dense_mask(spec, q.shape[-2], k.shape[-2], q.device, q.dtype)
+    return kernel(q, k, v, mask, dropout_p)
+
+
+def _blocked_local(kernel: Kernel, q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, dropout_p: float) -> Tensor:
+    """Sliding-window self-attention in ``O(S * window)`` memory (no cache, ``Tq == Tk``)."""
+    assert spec.window is not None and spec.q_offset == 0
+    b, h, s, d = q.shape
+    w = max(min(spec.window, s - 1), 1)  # a window past the sequence changes nothing
+    num_blocks = math.ceil(s / w)
+    span = 3 * w  # keys seen by one block of w queries
+    padded = num_blocks * w
+    qb = F.pad(q, (0, 0, 0, padded - s)).view(b, h, num_blocks, w, d).transpose(1, 2)  # (B, N, H, w, D)
+
+    def blocks(x: Tensor) -> Tensor:  # (B, H, S, D) -> (B, N, H, 3w, D)
+        x = F.pad(x, (0, 0, w, padded - s + w)).unfold(2, span, w)  # (B, H, N, D, 3w)
+        return x.permute(0, 2, 1, 4, 3)
+
+    kb, vb = blocks(k), blocks(v)
+    # Relative positions are the same in every block: query i of a block sits at key index i + w.
+    q_pos = torch.arange(w, device=q.device) + w
+    k_pos = torch.arange(span, device=q.device)
+    near = allowed(spec, q_pos, k_pos)  # (w, 3w)
+    is_self = q_pos[:, None] == k_pos[None, :]
+    pad = torch.ones(b, s, dtype=torch.bool, device=q.device) if spec.key_padding is None else ~spec.key_padding
+    valid = F.pad(pad, (w, padded - s + w), value=False).unfold(1, span, w)  # (B, N, 3w)
+    # A query always sees itself, so a window that holds only padding never yields an empty softmax.
+    mask = near & (valid[:, :, None, None, :] | is_self)  # (B, N, 1, w, 3w)
+    if spec.alibi is not None:
+        bias = alibi_bias(spec.alibi.to(q.device), q_pos, k_pos).to(q.dtype)  # (H, w, 3w)
+        mask = bias.masked_fill(~mask, float("-inf"))  # (B, N, H, w, 3w)
+    flat = b * num_blocks
+    out = kernel(
+        qb.reshape(flat, h, w, d),
+        kb.reshape(flat, h, span, d),
+        vb.reshape(flat, h, span, d),
+        mask.reshape(flat, -1, w, span),
+        dropout_p,
+    )
+    return out.view(b, num_blocks, h, w, d).transpose(1, 2).reshape(b, h, padded, d)[:, :, :s]
+
+
+def _explicit(kernel: Kernel) -> Callable[[Tensor, Tensor, Tensor, MaskSpec, float], Tensor]:
+    def run(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, dropout_p: float) -> Tensor:
+        if spec.window is not None and spec.q_offset == 0 and q.shape[-2] == k.shape[-2]:
+            return _blocked_local(kernel, q, k, v, spec, dropout_p)
+        return _dense(kernel, q, k, v, spec, dropout_p)
+
+    return run
+
+
+@cache
+def _compiled_flex() -> Callable[..., Tensor]:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention)
+
+
+def _flex(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, dropout_p: float) -> Tensor:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if dropout_p:
+        raise BackendUnavailableError(
+            "attention_backend='flex' has no attention dropout: set dropout=0 or use attention_backend='sdpa'"
+        )
+    if q.device.type == "cpu" and torch.is_grad_enabled() and q.requires_grad:
+        raise BackendUnavailableError(
+            "attention_backend='flex' has no backward pass on CPU: train with 'sdpa' (or 'auto') there"
+        )
+    pad, window, causal, offset, slopes = spec.key_padding, spec.window, spec.causal, spec.q_offset, spec.alibi
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        q_abs = q_idx + offset
+        keep = kv_idx >= 0
+        if causal:
+            keep = keep & (kv_idx <= q_abs)
+        if window is not None:
+            keep = keep & ((kv_idx - q_abs).abs() <= window)
+        if pad is not None:
+            visible = ~pad[b, kv_idx]
+            # As in the blocked kernel: under a window a query always sees itself.
+            keep = keep & (visible | (kv_idx == q_abs) if window is not None else visible)
+        return keep
+
+    score_mod = None
+    if slopes is not None:
+        slopes = slopes.to(q.device, torch.float32)
+
+        def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return score - slopes[h] * (kv_idx - q_idx - offset).abs()
+
+    batch = None if pad is None else q.shape[0]
+    block_mask = create_block_mask(mask_mod, batch, None, q.shape[-2], k.shape[-2], device=q.device)
+    return _compiled_flex()(q, k, v, score_mod=score_mod, block_mask=block_mask)
+
+
+def _xformers(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, dropout_p: float) -> Tensor:
+    from xformers.ops import LowerTriangularMask, memory_efficient_attention
+
+    if spec.window is not None:
+        raise BackendUnavailableError(
+            "attention_backend='xformers' does not do local attention here: use 'flex' or 'sdpa'"
+        )
+    bias = None
+    if spec.causal and spec.key_padding is None and spec.alibi is None and spec.q_offset == 0:
+        bias = LowerTriangularMask()
+    elif spec.causal or spec.key_padding is not None or spec.alibi is not None:
+        mask = dense_mask(spec, q.shape[-2], k.shape[-2], q.device, q.dtype)
+        if mask is not None and mask.dtype == torch.bool:
+            mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
+        if mask is not None:
+            # xformers wants an aligned, fully expanded (B, H, Tq, Tk) bias.
+            tk = k.shape[-2]
+            aligned = torch.empty(*q.shape[:2], q.shape[-2], math.ceil(tk / 8) * 8, dtype=q.dtype, device=q.device)
+            bias = aligned[..., :tk].copy_(mask.expand(*q.shape[:2], q.shape[-2], tk))
+    out = memory_efficient_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_bias=bias, p=dropout_p
+    )  # (B, T, H, D)
+    return out.transpose(1, 2)
+
+
+BACKENDS: dict[str, Callable[[Tensor, Tensor, Tensor, MaskSpec, float], Tensor]] = {
+    "naive": _explicit(_naive),
+    "sdpa": _explicit(_sdpa),
+    "flex": _flex,
+    "xformers": _xformers,
+}
+
+
+def xformers_available() -> bool:
+    return importlib.util.find_spec("xformers") is not None
+
+
+def check_backend(name: str, device: torch.device | None = None) -> None:
+    """Raise :class:`BackendUnavailableError` saying why and how to fix it when ``name`` cannot run."""
+    if name == "xformers":
+        if not xformers_available():
+            raise BackendUnavailableError(
+                "attention_backend='xformers' needs the xformers package: pip install 'torch-handle[gpu]' "
+                "(or use attention_backend='auto')"
+            )
+        if device is not None and device.type != "cuda":
+            raise BackendUnavailableError(
+                f"attention_backend='xformers' runs on CUDA only, got device {device.type!r}: "
+                "use attention_backend='auto'"
+            )
+
+
+def resolve_backend(name: str, device: torch.device, spec: MaskSpec, dropout_p: float) -> str:
+    """Turn ``auto`` into a concrete backend for this call.
+
+    On CUDA, sliding-window attention goes to flex (block-sparse, fused); everything else, and everything
+    on CPU (where flex would first have to compile a C++ kernel), goes to SDPA.
+    """
+    if name != "auto":
+        check_backend(name, device)
+        return name
+    if device.type == "cuda" and spec.window is not None and not dropout_p:
+        return "flex"
+    return "sdpa"
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, backend: str, dropout_p: float = 0.0) -> Tensor:
+    """Attention of ``q (B, H, Tq, D)`` over ``k, v (B, H, Tk, D)`` under ``spec``; returns ``(B, H, Tq, D)``."""
+    return BACKENDS[resolve_backend(backend, q.device, spec, dropout_p)](q, k, v, spec, dropout_p)

@@ -1,0 +1,83 @@
+"""Encoder and decoder layers: attention and feed-forward blocks with residuals and LayerNorm."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from torch_handle.model.attention import KVCache, MultiHeadAttention
+from torch_handle.model.config import TransformerConfig
+from torch_handle.model.masks import MaskSpec
+
+
+class FeedForward(nn.Module):
+    """Position-wise ``linear2(dropout(act(linear1(x))))``, the layout of ``nn.TransformerEncoderLayer``."""
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.linear1 = nn.Linear(config.d_model, config.d_ff)
+        self.linear2 = nn.Linear(config.d_ff, config.d_model)
+        self.dropout = nn.Dropout(config.dropout)
+        self.activation = F.gelu if config.activation == "gelu" else F.relu
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear2(self.dropout(self.activation(self.linear1(x))))
+
+
+class _Residual(nn.Module):
+    """One sub-layer with its residual, dropout and LayerNorm, post-LN or pre-LN."""
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.dropout)
+        self.norm_first = config.norm_first
+
+    def forward(self, x: Tensor, sublayer: nn.Module, *args: object, **kwargs: object) -> Tensor:
+        if self.norm_first:
+            return x + self.dropout(sublayer(self.norm(x), *args, **kwargs))
+        return self.norm(x + self.dropout(sublayer(x, *args, **kwargs)))
+
+
+class EncoderLayer(nn.Module):
+    """Self-attention then feed-forward."""
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.self_attn = MultiHeadAttention(config.d_model, config.num_heads, config.dropout, config.attention_backend)
+        self.ff = FeedForward(config)
+        self.attn_block = _Residual(config)
+        self.ff_block = _Residual(config)
+
+    def forward(self, x: Tensor, spec: MaskSpec, rope: tuple[Tensor, Tensor] | None) -> Tensor:
+        x = self.attn_block(x, self.self_attn, spec, rope=rope)
+        return self.ff_block(x, self.ff)
+
+
+class DecoderLayer(nn.Module):
+    """Causal self-attention, cross-attention over the encoder output, then feed-forward."""
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        d, h, p, backend = config.d_model, config.num_heads, config.dropout, config.attention_backend
+        self.self_attn = MultiHeadAttention(d, h, p, backend)
+        self.cross_attn = MultiHeadAttention(d, h, p, backend)
+        self.ff = FeedForward(config)
+        self.self_block = _Residual(config)
+        self.cross_block = _Residual(config)
+        self.ff_block = _Residual(config)
+
+    def forward(
+        self,
+        x: Tensor,
+        memory: Tensor,
+        self_spec: MaskSpec,
+        cross_spec: MaskSpec,
+        rope: tuple[Tensor, Tensor] | None,
+        cache: tuple[KVCache, KVCache] | None = None,
+        capacity: int = 0,
+    ) -> Tensor:
+        self_cache, cross_cache = cache if cache is not None else (None, None)
+        x = self.self_block(x, self.self_attn, self_spec, rope=rope, cache=self_cache, capacity=capacity)
+        x = self.cross_block(x, self.cross_attn, cross_spec, memory=memory, cache=cross_cache)
+        return self.ff_block(x, self.ff)

@@ -1,0 +1,68 @@
+"""Which keys each query may see, as boolean masks and additive biases.
+
+Every attention backend builds its masks from one :class:`MaskSpec`, so that the backends agree by
+construction and the naive one can serve as the reference for the others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    """What restricts one attention call.
+
+    Args:
+        key_padding: ``(B, S)``, True where a key is padding; ``None`` when there is none.
+        causal: A query never sees keys at later positions.
+        window: Local attention: a query sees keys at most this many positions away.
+        alibi: ``(H,)`` ALiBi slopes: the score drops by ``slope * |i - j|``.
+        q_offset: Position of the first query (keys start at 0); non-zero while decoding with a cache.
+    """
+
+    key_padding: Tensor | None = None
+    causal: bool = False
+    window: int | None = None
+    alibi: Tensor | None = None
+    q_offset: int = 0
+
+
+def allowed(spec: MaskSpec, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
+    """Position-only part of the mask, ``(..., Tq, Tk)``, True where the query may see the key."""
+    rel = k_pos[..., None, :] - q_pos[..., :, None]  # (..., Tq, Tk)
+    mask = None
+    if spec.causal:
+        mask = rel <= 0
+    if spec.window is not None:
+        local = rel.abs() <= spec.window
+        mask = local if mask is None else mask & local
+    return mask
+
+
+def alibi_bias(slopes: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+    """``(H, ..., Tq, Tk)`` additive bias ``-slope * |i - j|``."""
+    distance = (k_pos[..., None, :] - q_pos[..., :, None]).abs().to(slopes.dtype)
+    return -slopes.view(-1, *([1] * distance.dim())) * distance
+
+
+def dense_mask(spec: MaskSpec, q_len: int, k_len: int, device: torch.device, dtype: torch.dtype) -> Tensor | None:
+    """The whole mask for a dense ``(B, H, Tq, Tk)`` score matrix.
+
+    Returns ``None`` (no mask), a boolean mask (True = attend), or an additive float mask when ALiBi is on.
+    Shapes broadcast: ``(B or 1, H or 1, Tq or 1, Tk)``.
+    """
+    q_pos = torch.arange(q_len, device=device) + spec.q_offset
+    k_pos = torch.arange(k_len, device=device)
+    mask = allowed(spec, q_pos, k_pos)
+    mask = None if mask is None else mask[None, None]  # (1, 1, Tq, Tk)
+    if spec.key_padding is not None:
+        keep = ~spec.key_padding[:, None, None, :]  # (B, 1, 1, Tk)
+        mask = keep if mask is None else mask & keep
+    if spec.alibi is None:
+        return mask
+    bias = alibi_bias(spec.alibi.to(device), q_pos, k_pos)[None].to(dtype)  # (1, H, Tq, Tk)
+    return bias if mask is None else bias.masked_fill(~mask, float("-inf"))

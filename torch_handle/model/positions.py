@@ -1,0 +1,70 @@
+"""Position information: sinusoidal tables, RoPE rotations and ALiBi slopes."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+
+def sinusoidal_table(max_len: int, d_model: int) -> Tensor:
+    """The paper's table: PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(...).
+
+    Returns:
+        A float32 tensor of shape ``(max_len, d_model)``.
+    """
+    position = torch.arange(max_len, dtype=torch.float32)[:, None]  # (L, 1)
+    div = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32) * (-math.log(10000.0) / d_model))
+    table = torch.zeros(max_len, d_model)
+    table[:, 0::2] = torch.sin(position * div)
+    table[:, 1::2] = torch.cos(position * div)[:, : d_model // 2]
+    return table
+
+
+def alibi_slopes(num_heads: int) -> Tensor:
+    """ALiBi's per-head slopes: a geometric sequence starting at 2^(-8/n).
+
+    For head counts that are not powers of two the paper takes the slopes of the closest smaller power
+    of two and fills up with every other slope of the next power of two.
+
+    Returns:
+        A float32 tensor of shape ``(num_heads,)``.
+    """
+
+    def power_of_two(n: int) -> list[float]:
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    closest = 2 ** math.floor(math.log2(num_heads))
+    slopes = power_of_two(closest)
+    if closest < num_heads:
+        slopes += power_of_two(2 * closest)[0::2][: num_heads - closest]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def rope_inv_freq(head_dim: int, base: float, scaling: str | None, factor: float) -> Tensor:
+    """RoPE's inverse frequencies; ``ntk`` scaling raises the base so low frequencies stretch most."""
+    if scaling == "ntk":
+        base = base * factor ** (head_dim / (head_dim - 2))
+    return 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+
+
+def rope_angles(positions: Tensor, inv_freq: Tensor, scaling: str | None, factor: float) -> tuple[Tensor, Tensor]:
+    """cos and sin of shape ``(T, head_dim)`` for integer ``positions`` of shape ``(T,)``.
+
+    ``linear`` scaling (position interpolation) squeezes positions back into the trained range.
+    """
+    pos = positions.to(inv_freq.dtype)
+    if scaling == "linear":
+        pos = pos / factor
+    angles = torch.outer(pos, inv_freq)  # (T, D/2)
+    angles = torch.cat((angles, angles), dim=-1)  # (T, D)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``x`` of shape ``(B, H, T, D)`` by the angles (rotate-half layout, as GPT-NeoX and Llama)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)

@@ -1,0 +1,194 @@
+"""The encoder-decoder Transformer of "Attention Is All You Need", with modern options."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from torch_handle.model.attention import KVCache
+from torch_handle.model.config import TransformerConfig
+from torch_handle.model.kernels import check_backend
+from torch_handle.model.layers import DecoderLayer, EncoderLayer
+from torch_handle.model.masks import MaskSpec
+from torch_handle.model.positions import alibi_slopes, rope_angles, rope_inv_freq, sinusoidal_table
+
+
+class DecoderCache:
+    """Per-layer self-attention and cross-attention caches for incremental decoding."""
+
+    def __init__(self, num_layers: int, capacity: int) -> None:
+        self.layers = [(KVCache(), KVCache()) for _ in range(num_layers)]
+        self.capacity = capacity
+        self.length = 0
+
+    def reorder(self, index: Tensor) -> None:
+        """Follow beam search: row ``i`` of the batch becomes row ``index[i]`` of before."""
+        for self_cache, _ in self.layers:  # cross-attention keys are equal across a source's beams
+            self_cache.reorder(index)
+
+
+class Transformer(nn.Module):
+    """Encoder-decoder Transformer; ``forward(src, tgt)`` returns next-token logits ``(B, T, V)``.
+
+    Sequences are right-padded with ``config.pad_id``; padding masks come from it.
+    """
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        check_backend(config.attention_backend)
+        self.config = config
+        self.activation_checkpointing = config.activation_checkpointing
+        d = config.d_model
+        self.tgt_embed = nn.Embedding(config.tgt_vocab_size, d)
+        share_src = config.tie_embeddings and config.src_vocab_size == config.tgt_vocab_size
+        self.src_embed = self.tgt_embed if share_src else nn.Embedding(config.src_vocab_size, d)
+        self.lm_head = nn.Linear(d, config.tgt_vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.tgt_embed.weight
+        if config.position == "learned":
+            self.src_pos = nn.Embedding(config.max_len, d)
+            self.tgt_pos = nn.Embedding(config.max_len, d)
+        if config.position == "sinusoidal":
+            self.register_buffer("pe", sinusoidal_table(config.max_len, d), persistent=False)
+        if config.position == "rope":
+            inv_freq = rope_inv_freq(config.head_dim, config.rope_base, config.rope_scaling, config.rope_scaling_factor)
+            self.register_buffer("inv_freq", inv_freq, persistent=False)
+        if config.position == "alibi":
+            self.register_buffer("slopes", alibi_slopes(config.num_heads), persistent=False)
+        self.dropout = nn.Dropout(config.dropout)
+        self.encoder_layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.num_encoder_layers))
+        self.decoder_layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_decoder_layers))
+        # Both stacks end in a LayerNorm, as in torch.nn.Transformer (pre-LN needs it; post-LN keeps parity).
+        self.encoder_norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
+        self.decoder_norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Xavier-uniform matrices as torch.nn.Transformer; embeddings N(0, 1/d) since they are scaled by sqrt(d)."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+        for module in self.modules():
+            if isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, std=self.config.d_model**-0.5)
+
+    # --- pieces -------------------------------------------------------------------------------------------
+
+    def _embed(self, tokens: Tensor, embed: nn.Embedding, table: nn.Embedding | None, offset: int) -> Tensor:
+        c = self.config
+        x = embed(tokens) * math.sqrt(c.d_model)  # (B, T, C)
+        if c.position in ("sinusoidal", "learned"):
+            end = offset + tokens.shape[1]
+            if end > c.max_len:
+                raise ValueError(
+                    f"a sequence of {end} tokens exceeds max_len={c.max_len} of position={c.position!r}: "
+                    "raise max_len or use position='rope' or 'alibi'"
+                )
+            x = x + (self.pe[offset:end] if table is None else table.weight[offset:end]).to(x.dtype)
+        return self.dropout(x)
+
+    def _rope(self, offset: int, length: int, device: torch.device) -> tuple[Tensor, Tensor] | None:
+        if self.config.position != "rope":
+            return None
+        positions = torch.arange(offset, offset + length, device=device)
+        return rope_angles(positions, self.inv_freq, self.config.rope_scaling, self.config.rope_scaling_factor)
+
+    def _run(self, layer: nn.Module, *args: object) -> Tensor:
+        if self.activation_checkpointing and self.training and torch.is_grad_enabled():
+            return checkpoint(layer, *args, use_reentrant=False)
+        return layer(*args)
+
+    @property
+    def _slopes(self) -> Tensor | None:
+        return self.slopes if self.config.position == "alibi" else None
+
+    # --- public API ---------------------------------------------------------------------------------------
+
+    def memory_padding(self, src: Tensor) -> Tensor:
+        """``(B, S')`` padding mask of :meth:`encode`'s output: a pooled slot is padding if all of it is."""
+        pad = src == self.config.pad_id
+        r = self.config.cross_downsample
+        if r == 1:
+            return pad
+        pad = F.pad(pad, (0, -pad.shape[1] % r), value=True)
+        return pad.view(pad.shape[0], -1, r).all(dim=-1)
+
+    def encode(self, src: Tensor) -> Tensor:
+        """Encode ``src (B, S)`` into ``memory (B, S', C)``; ``S' = ceil(S / cross_downsample)``."""
+        c = self.config
+        pad = src == c.pad_id
+        window = c.window if c.encoder_attention == "local" else None
+        spec = MaskSpec(key_padding=pad, window=window, alibi=self._slopes)
+        rope = self._rope(0, src.shape[1], src.device)
+        x = self._embed(src, self.src_embed, getattr(self, "src_pos", None), 0)
+        for layer in self.encoder_layers:
+            x = self._run(layer, x, spec, rope)
+        x = self.encoder_norm(x)
+        if c.cross_downsample == 1:
+            return x
+        return self._pool(x, pad)
+
+    def _pool(self, x: Tensor, pad: Tensor) -> Tensor:
+        """Mask-aware average pooling: padding never enters a slot's mean."""
+        r = self.config.cross_downsample
+        b, s, d = x.shape
+        extra = -s % r
+        keep = F.pad((~pad).to(x.dtype), (0, extra))  # (B, S + extra)
+        x = F.pad(x, (0, 0, 0, extra)) * keep[..., None]
+        sums = x.view(b, -1, r, d).sum(dim=2)  # (B, S', C)
+        counts = keep.view(b, -1, r).sum(dim=2, keepdim=True).clamp(min=1)
+        return sums / counts
+
+    def new_cache(self, capacity: int) -> DecoderCache:
+        """An empty cache for decoding up to ``capacity`` target positions."""
+        return DecoderCache(len(self.decoder_layers), capacity)
+
+    def decode(
+        self, tgt: Tensor, memory: Tensor, memory_padding: Tensor, cache: DecoderCache | None = None
+    ) -> Tensor:
+        """Logits ``(B, T, V)`` for decoder inputs ``tgt (B, T)`` over ``memory``.
+
+        With a ``cache``, ``tgt`` holds only the new tokens; their positions continue the cached ones, and
+        cross-attention keys and values are computed once and kept.
+        """
+        offset = 0 if cache is None else cache.length
+        x = self._embed(tgt, self.tgt_embed, getattr(self, "tgt_pos", None), offset)
+        self_spec = MaskSpec(causal=True, alibi=self._slopes, q_offset=offset)
+        cross_spec = MaskSpec(key_padding=memory_padding)
+        rope = self._rope(offset, tgt.shape[1], tgt.device)
+        for i, layer in enumerate(self.decoder_layers):
+            if cache is None:
+                x = self._run(layer, x, memory, self_spec, cross_spec, rope)
+            else:
+                x = layer(x, memory, self_spec, cross_spec, rope, cache.layers[i], cache.capacity)
+        if cache is not None:
+            cache.length += tgt.shape[1]
+        return self.lm_head(self.decoder_norm(x))
+
+    def forward(self, src: Tensor, tgt: Tensor) -> Tensor:
+        """Teacher-forced logits ``(B, T, tgt_vocab_size)`` for ``src (B, S)`` and decoder input ``tgt (B, T)``."""
+        return self.decode(tgt, self.encode(src), self.memory_padding(src))
+
+    @torch.no_grad()
+    def generate(
+        self, src: Tensor, max_new_tokens: int, num_beams: int = 1, length_penalty: float = 1.0
+    ) -> Tensor:
+        """Generated ids ``(B, L)`` without BOS, ``pad_id`` after EOS.
+
+        The encoder runs once; the decoder uses a key/value cache. ``num_beams > 1`` runs beam search.
+        """
+        from torch_handle.model.generation import beam_search, greedy_search
+
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if num_beams < 1:
+            raise ValueError(f"num_beams must be >= 1, got {num_beams}")
+        if num_beams == 1:
+            return greedy_search(self, src, max_new_tokens)
+        return beam_search(self, src, max_new_tokens, num_beams, length_penalty)
