@@ -29,9 +29,7 @@ def greedy_search(model: Transformer, src: Tensor, max_new_tokens: int) -> Tenso
     return torch.cat(out, dim=1)
 
 
-def beam_search(
-    model: Transformer, src: Tensor, max_new_tokens: int, num_beams: int, length_penalty: float
-) -> Tensor:
+def beam_search(model: Transformer, src: Tensor, max_new_tokens: int, num_beams: int, length_penalty: float) -> Tensor:
     """Keep the ``num_beams`` best prefixes per source; a hypothesis scores ``log p / length ** length_penalty``.
 
     A source is done once it holds ``num_beams`` finished hypotheses (early stopping); at

@@ -149,9 +149,7 @@ class Transformer(nn.Module):
         """An empty cache for decoding up to ``capacity`` target positions."""
         return DecoderCache(len(self.decoder_layers), capacity)
 
-    def decode(
-        self, tgt: Tensor, memory: Tensor, memory_padding: Tensor, cache: DecoderCache | None = None
-    ) -> Tensor:
+    def decode(self, tgt: Tensor, memory: Tensor, memory_padding: Tensor, cache: DecoderCache | None = None) -> Tensor:
         """Logits ``(B, T, V)`` for decoder inputs ``tgt (B, T)`` over ``memory``.
 
         With a ``cache``, ``tgt`` holds only the new tokens; their positions continue the cached ones, and
@@ -176,9 +174,7 @@ class Transformer(nn.Module):
         return self.decode(tgt, self.encode(src), self.memory_padding(src))
 
     @torch.no_grad()
-    def generate(
-        self, src: Tensor, max_new_tokens: int, num_beams: int = 1, length_penalty: float = 1.0
-    ) -> Tensor:
+    def generate(self, src: Tensor, max_new_tokens: int, num_beams: int = 1, length_penalty: float = 1.0) -> Tensor:
         """Generated ids ``(B, L)`` without BOS, ``pad_id`` after EOS.
 
         The encoder runs once; the decoder uses a key/value cache. ``num_beams > 1`` runs beam search.
