@@ -11,6 +11,11 @@ RopeScaling = Literal["linear", "ntk"]
 EncoderAttention = Literal["full", "local"]
 AttentionBackend = Literal["auto", "naive", "sdpa", "flex", "xformers"]
 
+
+class ConfigError(ValueError):
+    """A hyper-parameter that cannot work; the message names the field and the fix."""
+
+
 _CHOICES: dict[str, tuple[Any, ...]] = {
     "activation": ("relu", "gelu"),
     "position": ("sinusoidal", "learned", "rope", "alibi"),
@@ -89,36 +94,36 @@ class TransformerConfig:
     def __post_init__(self) -> None:
         for name, choices in _CHOICES.items():
             if getattr(self, name) not in choices:
-                raise ValueError(f"{name}={getattr(self, name)!r} is not one of {choices}")
+                raise ConfigError(f"{name}={getattr(self, name)!r} is not one of {choices}")
         for name in ("src_vocab_size", "tgt_vocab_size", "d_model", "num_heads", "d_ff", "max_len"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("num_encoder_layers", "num_decoder_layers"):
             if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.d_model % self.num_heads:
-            raise ValueError(
+            raise ConfigError(
                 f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}: "
                 "choose num_heads that divides d_model"
             )
         if self.position == "rope" and (self.d_model // self.num_heads) % 2:
-            raise ValueError(f"position='rope' needs an even head dimension, got {self.d_model // self.num_heads}")
+            raise ConfigError(f"position='rope' needs an even head dimension, got {self.d_model // self.num_heads}")
         if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+            raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.window < 1:
-            raise ValueError(f"window must be >= 1, got {self.window}")
+            raise ConfigError(f"window must be >= 1, got {self.window}")
         if self.cross_downsample < 1:
-            raise ValueError(f"cross_downsample must be >= 1 (1 = off), got {self.cross_downsample}")
+            raise ConfigError(f"cross_downsample must be >= 1 (1 = off), got {self.cross_downsample}")
         if self.rope_scaling_factor < 1.0:
-            raise ValueError(f"rope_scaling_factor must be >= 1, got {self.rope_scaling_factor}")
+            raise ConfigError(f"rope_scaling_factor must be >= 1, got {self.rope_scaling_factor}")
         if self.rope_scaling is not None and self.position != "rope":
-            raise ValueError(f"rope_scaling={self.rope_scaling!r} needs position='rope', got {self.position!r}")
+            raise ConfigError(f"rope_scaling={self.rope_scaling!r} needs position='rope', got {self.position!r}")
         ids = {"pad_id": self.pad_id, "bos_id": self.bos_id, "eos_id": self.eos_id}
         for name, value in ids.items():
             if not 0 <= value < min(self.src_vocab_size, self.tgt_vocab_size):
-                raise ValueError(f"{name}={value} is outside the vocabulary")
+                raise ConfigError(f"{name}={value} is outside the vocabulary")
         if len(set(ids.values())) != 3:
-            raise ValueError(f"pad_id, bos_id and eos_id must differ, got {ids}")
+            raise ConfigError(f"pad_id, bos_id and eos_id must differ, got {ids}")
 
     @property
     def head_dim(self) -> int:

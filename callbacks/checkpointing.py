@@ -1,0 +1,54 @@
+"""Lightning's ModelCheckpoint, plus the tokenizer and model config written beside the checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_only
+from typing_extensions import override
+
+TOKENIZER_FILE = "tokenizer.json"
+CONFIG_FILE = "transformer.json"
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write through a temporary file in the same folder and rename it: readers never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+class Checkpoint(ModelCheckpoint):
+    """``ModelCheckpoint`` that also keeps ``tokenizer.json`` and ``transformer.json`` in its folder.
+
+    Test, predict, resume and export then decode exactly as training encoded, with no other file to
+    carry along. Checkpoint files themselves are written atomically by Lightning (``_atomic_save``).
+    """
+
+    @override
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_fit_start(trainer, pl_module)
+        self._save_companions(trainer, pl_module)
+
+    @rank_zero_only
+    def _save_companions(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.dirpath is None:
+            return
+        folder = Path(self.dirpath)
+        tokenizer = getattr(trainer.datamodule, "tokenizer", None)
+        if tokenizer is not None:
+            atomic_write_text(folder / TOKENIZER_FILE, tokenizer.to_str())
+        config = getattr(pl_module, "config", None)
+        if config is not None:
+            atomic_write_text(folder / CONFIG_FILE, json.dumps(config.to_dict(), indent=2))

@@ -1,0 +1,430 @@
+"""Tokenizer, batching, collation, DataModules and bad-input errors of ``torch_handle.data``."""
+
+import json
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from torch_handle.data import (
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,
+    Collator,
+    DataError,
+    Example,
+    SummarizationDataModule,
+    TokenBudgetBatchSampler,
+    Tokenizer,
+    TranslationDataModule,
+    demo_corpus,
+)
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+MULTI30K = DATA / "multi30k"
+QMSUM = DATA / "qmsum" / "val.jsonl"
+needs_multi30k = pytest.mark.skipif(not MULTI30K.is_dir(), reason=f"real data not found at {MULTI30K}")
+needs_qmsum = pytest.mark.skipif(not QMSUM.is_file(), reason=f"real data not found at {QMSUM}")
+
+
+def _lines(path: Path, n: int | None = None) -> list[str]:
+    return path.read_text(encoding="utf-8").splitlines()[:n]
+
+
+@pytest.fixture(scope="module")
+def small_tokenizer() -> Tokenizer:
+    """A BPE trained on 2000 real Multi30k lines, enough for the round-trip and collation tests."""
+    if not MULTI30K.is_dir():
+        pytest.skip(f"real data not found at {MULTI30K}")
+    texts = _lines(MULTI30K / "train.de", 1000) + _lines(MULTI30K / "train.en", 1000)
+    return Tokenizer.train(texts, vocab_size=1000)
+
+
+def _assert_one_line_error(err: pytest.ExceptionInfo[DataError], *parts: str) -> None:
+    message = str(err.value)
+    assert "\n" not in message
+    for part in parts:
+        assert part in message, f"{part!r} not in {message!r}"
+
+
+# --- tokenizer ---------------------------------------------------------------------------------------------
+
+
+@needs_multi30k
+def test_tokenizer_round_trips_real_german(small_tokenizer: Tokenizer) -> None:
+    texts = _lines(MULTI30K / "val.de")
+    assert any(ch in "".join(texts) for ch in "äöüß")  # the check is only worth something with umlauts
+    assert small_tokenizer.decode_batch(small_tokenizer.encode_batch(texts)) == texts
+    assert all(small_tokenizer.decode(small_tokenizer.encode(t)) == t for t in texts[:50])
+
+
+def test_tokenizer_never_needs_unk_and_fixes_special_ids() -> None:
+    tokenizer = Tokenizer.train(["a small corpus"] * 10, vocab_size=300)
+    text = "Straße, Übermut — naïve 😀\n  two  spaces"  # nothing of this but ASCII letters was seen in training
+    ids = tokenizer.encode(text)
+    assert tokenizer.unk_id not in ids and min(ids) > 3
+    assert tokenizer.decode(ids) == text
+    assert (tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id) == (PAD_ID, BOS_ID, EOS_ID) == (0, 1, 2)
+
+
+def test_decode_drops_specials_and_stops_at_first_eos() -> None:
+    tokenizer = Tokenizer.train(["ein Hund", "eine Katze"] * 10, vocab_size=300)
+    hund, katze = tokenizer.encode("ein Hund"), tokenizer.encode(" eine Katze")
+    row = [BOS_ID, *hund, EOS_ID, *katze, PAD_ID]
+    assert tokenizer.decode(row) == "ein Hund"
+    assert tokenizer.decode_batch(torch.tensor([row, [BOS_ID, *hund, *katze, EOS_ID, PAD_ID]])) == [
+        "ein Hund",
+        "ein Hund eine Katze",
+    ]
+
+
+@needs_multi30k
+def test_tokenizer_save_load_gives_identical_ids(small_tokenizer: Tokenizer, tmp_path: Path) -> None:
+    path = tmp_path / "tok" / "tokenizer.json"
+    small_tokenizer.save(path)
+    assert [p.name for p in path.parent.iterdir()] == ["tokenizer.json"]  # no temporary file left behind
+    texts = _lines(MULTI30K / "val.en", 200)
+    assert Tokenizer.from_file(path).encode_batch(texts) == small_tokenizer.encode_batch(texts)
+    assert Tokenizer.from_str(small_tokenizer.to_str()).encode_batch(texts) == small_tokenizer.encode_batch(texts)
+
+
+@needs_multi30k
+def test_tokenizer_training_is_deterministic(small_tokenizer: Tokenizer) -> None:
+    texts = _lines(MULTI30K / "train.de", 1000) + _lines(MULTI30K / "train.en", 1000)
+    assert Tokenizer.train(texts, vocab_size=1000).to_str() == small_tokenizer.to_str()
+
+
+def test_tokenizer_file_errors(tmp_path: Path) -> None:
+    with pytest.raises(DataError) as err:
+        Tokenizer.from_file(tmp_path / "missing.json")
+    _assert_one_line_error(err, "missing.json", "not found")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"not": "a tokenizer"}', encoding="utf-8")
+    with pytest.raises(DataError) as err:
+        Tokenizer.from_file(bad)
+    _assert_one_line_error(err, "bad.json", "not a torch-handle tokenizer")
+
+
+# --- batch sampler -----------------------------------------------------------------------------------------
+
+
+def _lengths(n: int = 500, seed: int = 0) -> list[int]:
+    return torch.randint(1, 60, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_sampler_yields_each_index_once_within_budget() -> None:
+    lengths = _lengths()
+    sampler = TokenBudgetBatchSampler(lengths, max_tokens=256, shuffle=True, seed=3)
+    batches = list(sampler)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    assert all(len(b) * max(lengths[i] for i in b) <= 256 for b in batches)
+    assert len(sampler) == len(batches)
+    # length bucketing: padding stays small
+    assert sum(len(b) * max(lengths[i] for i in b) for b in batches) < 1.2 * sum(lengths)
+
+
+def test_sampler_puts_an_over_long_example_alone() -> None:
+    batches = list(TokenBudgetBatchSampler([5, 500, 5, 5], max_tokens=100, shuffle=False))
+    assert [1] in batches and sorted(map(len, batches)) == [1, 3]
+
+
+def test_sampler_is_deterministic_per_seed_and_epoch() -> None:
+    lengths = _lengths()
+
+    def order(seed: int, epoch: int) -> list[list[int]]:
+        sampler = TokenBudgetBatchSampler(lengths, max_tokens=256, shuffle=True, seed=seed)
+        sampler.set_epoch(epoch)
+        return list(sampler)
+
+    assert order(0, 0) == order(0, 0)
+    assert order(0, 1) == order(0, 1)
+    assert order(0, 0) != order(0, 1)
+    assert order(0, 0) != order(1, 0)
+    unshuffled = TokenBudgetBatchSampler(lengths, max_tokens=256, shuffle=False)
+    first = list(unshuffled)
+    unshuffled.set_epoch(1)
+    assert list(unshuffled) == first
+
+
+@pytest.mark.parametrize("num_items", [200, 210])  # 20 batches split evenly, 21 need one repeated
+def test_sampler_shards_across_two_replicas(num_items: int) -> None:
+    lengths = [10] * num_items  # 10 per batch under a 100-token budget
+
+    def shard(rank: int, drop_last: bool = False) -> list[list[int]]:
+        sampler = TokenBudgetBatchSampler(
+            lengths, 100, shuffle=True, seed=1, num_replicas=2, rank=rank, drop_last=drop_last
+        )
+        sampler.set_epoch(2)
+        batches = list(sampler)
+        assert len(batches) == len(sampler)
+        return batches
+
+    rank0, rank1 = shard(0), shard(1)
+    assert len(rank0) == len(rank1) == 10 + num_items % 200 // 10
+    seen0, seen1 = [i for b in rank0 for i in b], [i for b in rank1 for i in b]
+    assert set(seen0) | set(seen1) == set(range(num_items))
+    assert len(set(seen0) & set(seen1)) == (0 if num_items == 200 else 10)  # only the repeated batch
+    dropped0, dropped1 = shard(0, drop_last=True), shard(1, drop_last=True)
+    assert len(dropped0) == len(dropped1) == 10
+    assert not {i for b in dropped0 for i in b} & {i for b in dropped1 for i in b}
+
+
+def test_sampler_resumes_mid_epoch() -> None:
+    lengths = _lengths()
+    sampler = TokenBudgetBatchSampler(lengths, max_tokens=256, shuffle=True, seed=5)
+    sampler.set_epoch(3)
+    full = list(sampler)
+    iterator = iter(sampler)
+    for _ in range(4):
+        next(iterator)
+    state = sampler.state_dict()
+    assert state == {"epoch": 3, "batches_done": 4}
+
+    resumed = TokenBudgetBatchSampler(lengths, max_tokens=256, shuffle=True, seed=5)
+    resumed.load_state_dict(state)
+    resumed.set_epoch(3)  # Lightning sets the epoch again when it restarts the loop
+    assert list(resumed) == full[4:]
+    assert list(resumed) == full  # the skip applies once
+    other_epoch = TokenBudgetBatchSampler(lengths, max_tokens=256, shuffle=True, seed=5)
+    other_epoch.load_state_dict(state)
+    other_epoch.set_epoch(4)
+    assert len(list(other_epoch)) == len(full)  # a skip meant for epoch 3 does not cut epoch 4
+
+
+# --- collation ---------------------------------------------------------------------------------------------
+
+
+def test_collator_adds_specials_pads_and_truncates() -> None:
+    collate = Collator(max_source_tokens=4, max_target_tokens=5)
+    long = Example([5, 6, 7, 8, 9], "long", [10, 11, 12, 13], "long target")
+    short = Example([5], "short", [10], "short target")
+    batch = collate([long, short])
+    assert batch["src"].dtype == batch["tgt"].dtype == torch.long
+    assert batch["src"].tolist() == [[5, 6, 7, EOS_ID], [5, EOS_ID, PAD_ID, PAD_ID]]
+    assert batch["tgt"].tolist() == [[BOS_ID, 10, 11, 12, EOS_ID], [BOS_ID, 10, EOS_ID, PAD_ID, PAD_ID]]
+    assert batch["src_text"] == ["long", "short"] and batch["tgt_text"] == ["long target", "short target"]
+    assert collate.length(long) == 5 and collate.length(short) == 3
+
+
+def test_collator_predict_batch_has_no_target() -> None:
+    batch = Collator(8, 8)([Example([5, 6], "a"), Example([7], "b")])
+    assert set(batch) == {"src", "src_text"}
+    assert batch["src"].tolist() == [[5, 6, EOS_ID], [7, EOS_ID, PAD_ID]]
+
+
+# --- DataModules -------------------------------------------------------------------------------------------
+
+
+@needs_multi30k
+def test_translation_datamodule_on_multi30k() -> None:
+    dm = TranslationDataModule(data_dir=str(MULTI30K), test_split="test_2016_flickr", bpe_vocab_size=1000)
+    assert dm.vocab_size == 1000  # known before setup, for the CLI to size the model
+    dm.setup("fit")
+    batch = next(iter(dm.train_dataloader()))
+    assert batch["src"].shape[0] == batch["tgt"].shape[0] == len(batch["src_text"])
+    assert batch["src"].numel() <= dm.max_tokens and batch["tgt"].numel() <= dm.max_tokens
+    assert (batch["tgt"][:, 0] == BOS_ID).all()
+    originals = {" ".join(line.split()) for line in _lines(MULTI30K / "train.en")}
+    decoded = dm.tokenizer.decode_batch(batch["src"])
+    assert decoded == batch["src_text"] and set(decoded) <= originals
+    assert dm.tokenizer.decode_batch(batch["tgt"]) == batch["tgt_text"]
+    assert sum(len(b["src_text"]) for b in dm.val_dataloader()) == 1014
+    dm.setup("test")
+    assert sum(len(b["src_text"]) for b in dm.test_dataloader()) == 1000
+
+
+@needs_multi30k
+def test_checkpointed_tokenizer_replaces_and_retokenizes(small_tokenizer: Tokenizer) -> None:
+    dm = TranslationDataModule(demo_size=200, bpe_vocab_size=300)
+    dm.setup("fit")
+    dm.load_state_dict({"tokenizer": small_tokenizer.to_str()})
+    assert dm.vocab_size == small_tokenizer.vocab_size
+    example = dm.dataset("train").examples[0]
+    assert example.src_ids == small_tokenizer.encode(example.src_text)
+    assert Tokenizer.from_str(dm.state_dict()["tokenizer"]).to_str() == small_tokenizer.to_str()
+
+
+def test_translation_demo_and_predict(tmp_path: Path) -> None:
+    predict = tmp_path / "in.txt"
+    predict.write_text("the dog sees a cat\n\nmy   two old birds  helped the king\n", encoding="utf-8")
+    dm = TranslationDataModule(demo_size=500, predict_file=str(predict), predict_batch_size=2)
+    dm.setup("fit")
+    batch = next(iter(dm.train_dataloader()))
+    assert dm.tokenizer.decode_batch(batch["tgt"]) == batch["tgt_text"]
+    dm.setup("predict")
+    batches = list(dm.predict_dataloader())
+    texts = [t for b in batches for t in b["src_text"]]
+    assert texts == ["the dog sees a cat", "", "my two old birds helped the king"]  # order and blanks kept
+    assert all("tgt" not in b for b in batches)
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def qmsum_subset(tmp_path: Path) -> Path:
+    if not QMSUM.is_file():
+        pytest.skip(f"real data not found at {QMSUM}")
+    rows = [json.loads(line) for line in _lines(QMSUM, 4)]
+    return _write_jsonl(tmp_path / "qmsum.jsonl", rows)
+
+
+def test_summarization_datamodule_truncates_with_one_warning(qmsum_subset: Path) -> None:
+    dm = SummarizationDataModule(
+        train_file=str(qmsum_subset), bpe_vocab_size=1000, max_source_tokens=2048, max_tokens=8192
+    )
+    with pytest.warns(UserWarning, match=r"truncated 4 of 4 sources to 2047 tokens") as record:
+        dm.setup("fit")
+    assert len(record) == 1
+    assert dm.val_dataloader() == []  # no val_file: validation is skipped
+    batches = list(dm.train_dataloader())
+    assert sum(len(b["src_text"]) for b in batches) == 4
+    for batch in batches:
+        assert batch["src"].shape[1] == 2048 and (batch["src"][:, -1] == EOS_ID).all()
+        assert batch["src"].numel() <= 8192
+        assert dm.tokenizer.decode_batch(batch["tgt"]) == batch["tgt_text"]
+
+
+def test_summarization_truncation_error_names_file_line_and_length(qmsum_subset: Path) -> None:
+    dm = SummarizationDataModule(
+        train_file=str(qmsum_subset), bpe_vocab_size=1000, max_source_tokens=2048, truncation="error"
+    )
+    with pytest.raises(DataError) as err:
+        dm.setup("fit")
+    length = len(dm.tokenizer.encode(json.loads(_lines(qmsum_subset, 1)[0])["document"].strip()))
+    _assert_one_line_error(err, f"{qmsum_subset}:1:", f"{length} tokens", "--data.max_source_tokens")
+
+
+def test_summarization_predict_accepts_json_lines_and_plain_text(tmp_path: Path) -> None:
+    train = _write_jsonl(tmp_path / "train.jsonl", [{"document": "a long meeting", "summary": "short"}] * 5)
+    json_in = _write_jsonl(tmp_path / "in.jsonl", [{"document": "first doc"}, {"document": "{second} doc"}])
+    text_in = tmp_path / "in.txt"
+    text_in.write_text("{disfmarker} first doc\nsecond doc\n", encoding="utf-8")
+    for path, expected in (
+        (json_in, ["first doc", "{second} doc"]),
+        (text_in, ["{disfmarker} first doc", "second doc"]),
+    ):
+        dm = SummarizationDataModule(train_file=str(train), predict_file=str(path), bpe_vocab_size=300)
+        dm.setup("predict")
+        assert [t for b in dm.predict_dataloader() for t in b["src_text"]] == expected
+
+
+class _EpochRecorder(pl.LightningModule):
+    """Records the first batch of each training epoch, to see that Lightning advances the sampler's epoch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.first_batches: list[list[str]] = []
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        if batch_idx == 0:
+            self.first_batches.append(batch["src_text"])
+        return self.weight.sum() * batch["src"].float().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def test_lightning_reshuffles_token_budget_batches_each_epoch(tmp_path: Path) -> None:
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=2,
+        limit_train_batches=1,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    model = _EpochRecorder()
+    trainer.fit(model, datamodule=TranslationDataModule(demo_size=500, bpe_vocab_size=300, max_tokens=512))
+    assert len(model.first_batches) == 2 and model.first_batches[0] != model.first_batches[1]
+
+
+# --- bad input ---------------------------------------------------------------------------------------------
+
+
+def _parallel(tmp_path: Path, src: bytes, tgt: bytes) -> TranslationDataModule:
+    for split in ("train", "val"):
+        (tmp_path / f"{split}.en").write_bytes(src)
+        (tmp_path / f"{split}.de").write_bytes(tgt)
+    return TranslationDataModule(data_dir=str(tmp_path), bpe_vocab_size=300)
+
+
+def test_error_for_missing_data_dir(tmp_path: Path) -> None:
+    with pytest.raises(DataError) as err:
+        TranslationDataModule(data_dir=str(tmp_path / "nowhere"))
+    _assert_one_line_error(err, "nowhere", "not found")
+
+
+def test_error_for_missing_file(tmp_path: Path) -> None:
+    (tmp_path / "train.en").write_text("a\n", encoding="utf-8")
+    with pytest.raises(DataError) as err:
+        TranslationDataModule(data_dir=str(tmp_path)).setup("fit")
+    _assert_one_line_error(err, "train.de", "not found")
+
+
+def test_error_for_unequal_line_counts(tmp_path: Path) -> None:
+    with pytest.raises(DataError) as err:
+        _parallel(tmp_path, b"a\nb\nc\n", b"x\ny\n").setup("fit")
+    _assert_one_line_error(err, "train.en has 3 lines", "train.de has 2")
+
+
+def test_error_for_empty_file(tmp_path: Path) -> None:
+    with pytest.raises(DataError) as err:
+        _parallel(tmp_path, b"", b"").setup("fit")
+    _assert_one_line_error(err, "train.en", "empty")
+
+
+def test_error_for_bytes_that_are_not_utf8(tmp_path: Path) -> None:
+    # line 2 is valid multi-byte UTF-8; the Latin-1 byte on line 3 is the one to report
+    with pytest.raises(DataError) as err:
+        _parallel(tmp_path, "ok\nschön\n".encode() + b"caf\xe9\n", b"a\nb\nc\n").setup("fit")
+    _assert_one_line_error(err, "train.en:3:", "UTF-8")
+
+
+def test_error_for_invalid_json_line(tmp_path: Path) -> None:
+    path = tmp_path / "train.jsonl"
+    path.write_text('{"document": "d", "summary": "s"}\n{"document": "d", "summary": \n', encoding="utf-8")
+    with pytest.raises(DataError) as err:
+        SummarizationDataModule(train_file=str(path)).setup("fit")
+    _assert_one_line_error(err, f"{path}:2:", "not valid JSON")
+
+
+def test_error_for_json_line_without_field(tmp_path: Path) -> None:
+    path = _write_jsonl(tmp_path / "train.jsonl", [{"document": "d", "summary": "s"}, {"document": "d"}])
+    with pytest.raises(DataError) as err:
+        SummarizationDataModule(train_file=str(path)).setup("fit")
+    _assert_one_line_error(err, f"{path}:2:", "'summary'", "--data.summary_field")
+
+
+def test_error_for_missing_tokenizer_source() -> None:
+    with pytest.raises(DataError) as err:
+        _ = SummarizationDataModule().vocab_size
+    _assert_one_line_error(err, "--data.train_file", "--data.tokenizer_path")
+
+
+# --- demo task ---------------------------------------------------------------------------------------------
+
+
+def test_demo_corpus_is_deterministic_disjoint_and_not_a_copy() -> None:
+    train = demo_corpus("train", 2000, seed=0)
+    assert train == demo_corpus("train", 2000, seed=0)
+    assert train != demo_corpus("train", 2000, seed=1)
+    val, test = demo_corpus("val", 300, seed=0), demo_corpus("test", 300, seed=0)
+    sources = [{s for s, _ in split} for split in (train, val, test)]
+    assert [len(s) for s in sources] == [2000, 300, 300]  # no duplicates within a split
+    assert not (sources[0] & sources[1] or sources[0] & sources[2] or sources[1] & sources[2])
+    assert all(4 <= len(s.split()) <= 14 for s, _ in train)
+    source_words = {w for s, _ in train for w in s.split()}
+    target_words = {w for _, t in train for w in t.split()}
+    assert not source_words & target_words  # its own vocabulary
+    with_sees = [(s, t) for s, t in train if " sees " in s]
+    assert with_sees and all(t.split()[-1] == "vid" for _, t in with_sees)  # the verb moves to the end
+    with pytest.raises(DataError):
+        demo_corpus("dev", 10, seed=0)

@@ -1,0 +1,320 @@
+"""Properties the model must keep whatever its weights: padding, causality, pooling, decoding, checkpointing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from torch_handle.model import BackendUnavailableError, Transformer, TransformerConfig
+from torch_handle.model.generation import beam_search
+from torch_handle.model.kernels import xformers_available
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+PAD, BOS, EOS = 0, 1, 2
+VOCAB = 29
+POSITIONS = ["sinusoidal", "learned", "rope", "alibi"]
+
+
+def _config(**overrides: Any) -> TransformerConfig:
+    values: dict[str, Any] = dict(
+        src_vocab_size=VOCAB,
+        tgt_vocab_size=VOCAB,
+        d_model=32,
+        num_heads=4,
+        num_encoder_layers=2,
+        num_decoder_layers=2,
+        d_ff=64,
+        dropout=0.0,
+        window=3,
+        max_len=64,
+        pad_id=PAD,
+        bos_id=BOS,
+        eos_id=EOS,
+    )
+    return TransformerConfig(**(values | overrides))
+
+
+def _model(**overrides: Any) -> Transformer:
+    return Transformer(_config(**overrides)).eval()
+
+
+def _like(model: Transformer, **overrides: Any) -> Transformer:
+    """A model with ``model``'s weights and a changed configuration."""
+    other = _model(**(model.config.to_dict() | overrides))
+    other.load_state_dict(model.state_dict())
+    return other
+
+
+def _batch(src_len: int = 13, tgt_len: int = 9) -> tuple[Tensor, Tensor]:
+    src = torch.randint(3, VOCAB, (3, src_len))
+    src[1, 8:] = PAD
+    src[2, 2:] = PAD
+    tgt = torch.randint(3, VOCAB, (3, tgt_len))
+    tgt[1, 6:] = PAD
+    return src, tgt
+
+
+# --- padding and causality -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("position", POSITIONS)
+@pytest.mark.parametrize("attention", ["full", "local"])
+@pytest.mark.parametrize("backend", ["naive", "sdpa"])
+@torch.no_grad()
+def test_appended_padding_changes_no_logits(backend: str, attention: str, position: str) -> None:
+    model = _model(attention_backend=backend, encoder_attention=attention, position=position)
+    src, tgt = _batch()
+    logits = model(src, tgt)
+    torch.testing.assert_close(model(F.pad(src, (0, 6), value=PAD), tgt), logits)
+    torch.testing.assert_close(model(src, F.pad(tgt, (0, 5), value=PAD))[:, : tgt.shape[1]], logits)
+
+
+@pytest.mark.parametrize("position", POSITIONS)
+@torch.no_grad()
+def test_future_targets_never_change_earlier_logits(position: str) -> None:
+    model = _model(position=position)
+    src, tgt = _batch()
+    changed = tgt.clone()
+    changed[:, 4:] = torch.randint(3, VOCAB, (3, tgt.shape[1] - 4))
+    logits, new = model(src, tgt), model(src, changed)
+    torch.testing.assert_close(new[:, :4], logits[:, :4])  # position 3 reads tokens 0..3 only
+    assert not torch.allclose(new[:, 4:], logits[:, 4:]), "the change should reach later positions"
+
+
+@pytest.mark.parametrize("backend", ["naive", "sdpa"])
+@torch.no_grad()
+def test_local_attention_with_a_window_past_the_sequence_equals_full(backend: str) -> None:
+    full = _model(attention_backend=backend, position="alibi")
+    src, tgt = _batch()
+    expected = full(src, tgt)
+    for window in (src.shape[1] - 1, 4 * src.shape[1]):
+        torch.testing.assert_close(_like(full, encoder_attention="local", window=window)(src, tgt), expected)
+    narrow = _like(full, encoder_attention="local", window=2)(src, tgt)
+    assert not torch.allclose(narrow, expected), "a narrow window should change the logits"
+
+
+# --- cross-attention downsampling ----------------------------------------------------------------------
+
+
+@torch.no_grad()
+def test_pooled_slot_is_the_mean_of_its_real_tokens() -> None:
+    r = 3
+    model = _model(cross_downsample=r)
+    src = torch.randint(3, VOCAB, (3, 11))  # slots [0, 3), [3, 6), [6, 9), [9, 11)
+    src[1, 7:] = PAD  # slot 2 mixes real tokens and padding, slot 3 is padding only
+    src[2, 2:] = PAD
+    per_token = _like(model, cross_downsample=1).encode(src)  # (B, S, C)
+    pooled = model.encode(src)  # (B, 4, C)
+    assert pooled.shape == (3, 4, 32)
+    expected_padding = torch.tensor([[False] * 4, [False, False, False, True], [False, True, True, True]])
+    assert torch.equal(model.memory_padding(src), expected_padding)
+    for row in range(3):
+        for slot in range(4):
+            real = [i for i in range(slot * r, min(slot * r + r, 11)) if src[row, i] != PAD]
+            if real:
+                torch.testing.assert_close(pooled[row, slot], per_token[row, real].mean(dim=0))
+
+
+@torch.no_grad()
+def test_padding_never_leaks_through_pooling() -> None:
+    model = _model(cross_downsample=3)
+    src, tgt = _batch(src_len=11)
+    memory, logits = model.encode(src), model(src, tgt)
+    per_token = _like(model, cross_downsample=1).encode(src)
+    model.src_embed.weight[PAD].normal_(std=10.0)  # whatever the padding positions hold
+    # The encoder's outputs at padding positions do change, yet no pooled slot or logit may.
+    assert not torch.allclose(_like(model, cross_downsample=1).encode(src)[src == PAD], per_token[src == PAD])
+    torch.testing.assert_close(model.encode(src), memory)
+    torch.testing.assert_close(model(src, tgt), logits)
+
+
+# --- decoding ------------------------------------------------------------------------------------------
+
+
+def _uncached_greedy(model: Transformer, src: Tensor, steps: int) -> Tensor:
+    """Argmax over full forward passes, ``pad_id`` after the first EOS, as ``generate`` returns it."""
+    tgt = torch.full((src.shape[0], 1), BOS)
+    for _ in range(steps):
+        tgt = torch.cat([tgt, model(src, tgt)[:, -1].argmax(dim=-1, keepdim=True)], dim=1)
+    out = tgt[:, 1:]
+    after_eos = (out == EOS).long().cumsum(dim=1) - (out == EOS).long() > 0
+    return out.masked_fill(after_eos, PAD)
+
+
+def _sequence_log_prob(model: Transformer, src: Tensor, out: Tensor) -> Tensor:
+    """Model log-probability ``(B,)`` of generated rows, up to and including their first EOS."""
+    tgt = torch.cat([torch.full((src.shape[0], 1), BOS), out[:, :-1]], dim=1)
+    logp = torch.log_softmax(model(src, tgt), dim=-1).gather(-1, out[..., None])[..., 0]  # (B, L)
+    is_eos = (out == EOS).long()
+    counted = is_eos.cumsum(dim=1) - is_eos == 0  # every position up to the first EOS
+    return (logp * counted).sum(dim=1)
+
+
+@pytest.mark.parametrize("position", POSITIONS)
+@torch.no_grad()
+def test_cached_greedy_equals_uncached_argmax(position: str) -> None:
+    model = _model(position=position, attention_backend="sdpa")
+    src, _ = _batch()
+    steps = 10
+    out = model.generate(src, steps)
+    expected = _uncached_greedy(model, src, steps)
+    assert out.shape[1] == steps or (out == EOS).any(dim=1).all()
+    assert torch.equal(out, expected[:, : out.shape[1]])
+
+
+@torch.no_grad()
+def test_beam_search_with_one_beam_is_greedy() -> None:
+    model = _favour_eos(_model())
+    src = torch.randint(3, VOCAB, (6, 11))
+    src[1, 7:] = PAD
+    steps = 10
+    greedy = model.generate(src, steps)
+    assert (greedy == EOS).any(), "some row should end early, so that the padding after EOS is compared too"
+    assert torch.equal(beam_search(model, src, steps, 1, 1.0), greedy)
+
+
+def _favour_eos(model: Transformer) -> Transformer:
+    """Make EOS likely enough that some hypotheses end early, so that the finishing logic gets exercised."""
+    with torch.no_grad():
+        head = model.lm_head.weight
+        head[EOS] += head[EOS].sign() * head.abs().mean()
+    return model
+
+
+def _reference_beam_search(model: Transformer, src: Tensor, steps: int, k: int, length_penalty: float) -> list[int]:
+    """Beam search for one source written plainly: a full forward pass per hypothesis, no cache, no batching.
+
+    The rules are the documented ones: the 2k best continuations are ranked; an EOS among the first k
+    finishes a hypothesis; the first k others live on; k finished hypotheses stop the search; at the last
+    step the open beams finish as they stand; a hypothesis scores ``log p / length ** length_penalty``.
+    """
+    beams: list[tuple[list[int], float]] = [([], 0.0)]
+    finished: list[tuple[float, list[int]]] = []
+    for step in range(steps):
+        candidates = []
+        for seq, score in beams:
+            logp = torch.log_softmax(model(src[None], torch.tensor([[BOS, *seq]]))[0, -1], dim=-1).tolist()
+            candidates += [(score + lp, seq + [token]) for token, lp in enumerate(logp)]
+        candidates.sort(key=lambda c: -c[0])
+        beams = []
+        for rank, (score, seq) in enumerate(candidates[: 2 * k]):
+            if seq[-1] == EOS:
+                if rank < k:
+                    finished.append((score / len(seq) ** length_penalty, seq))
+            elif len(beams) < k:
+                beams.append((seq, score))
+        if len(finished) >= k:
+            break
+        if step == steps - 1:
+            finished += [(score / len(seq) ** length_penalty, seq) for seq, score in beams]
+    return max(finished, key=lambda h: h[0])[1]
+
+
+@pytest.mark.parametrize("length_penalty", [0.0, 1.0])
+@torch.no_grad()
+def test_beam_search_matches_a_plain_reference(length_penalty: float) -> None:
+    model = _favour_eos(_model())
+    src = torch.randint(3, VOCAB, (6, 11))
+    src[1, 7:] = PAD
+    steps, k = 7, 3
+    out = beam_search(model, src, steps, k, length_penalty)
+    ended = []
+    for row in range(src.shape[0]):
+        expected = _reference_beam_search(model, src[row], steps, k, length_penalty)
+        assert out[row, : len(expected)].tolist() == expected
+        assert (out[row, len(expected) :] == PAD).all()
+        ended.append(expected[-1] == EOS)
+    assert any(ended) and not all(ended), "the batch should hold both finished and cut-off hypotheses"
+
+
+@torch.no_grad()
+def test_beam_search_with_a_beam_per_token_is_exact_and_beats_greedy() -> None:
+    # Beam search is no better than greedy in general (the greedy prefix can be pruned), but with as many
+    # beams as tokens nothing is pruned over two steps: it must find the most likely sequence of length <= 2.
+    model = _model()
+    src = torch.randint(3, VOCAB, (5, 11))
+    src[1, 7:] = PAD
+    b = src.shape[0]
+    first = torch.log_softmax(model(src, torch.full((b, 1), BOS))[:, -1], dim=-1)  # (B, V)
+    prefixes = torch.stack([torch.full((VOCAB,), BOS), torch.arange(VOCAB)], dim=1)  # (V, 2): BOS, a
+    second = torch.log_softmax(model(src.repeat_interleave(VOCAB, 0), prefixes.repeat(b, 1))[:, -1], dim=-1)
+    two_tokens = first[:, :, None] + second.view(b, VOCAB, VOCAB)  # (B, a, b): log p(a) + log p(b | a)
+    two_tokens[:, EOS] = float("-inf")  # nothing follows EOS
+    best = torch.maximum(two_tokens.flatten(1).max(dim=1).values, first[:, EOS])  # (B,)
+
+    beams = beam_search(model, src, 2, VOCAB, 0.0)
+    beam_logp = _sequence_log_prob(model, src, beams)
+    torch.testing.assert_close(beam_logp, best)
+    assert (beam_logp >= _sequence_log_prob(model, src, model.generate(src, 2)) - 1e-5).all()
+
+
+# --- training ------------------------------------------------------------------------------------------
+
+
+def test_activation_checkpointing_changes_nothing_but_memory() -> None:
+    plain = _model(activation_checkpointing=False).train()
+    checkpointed = _like(plain, activation_checkpointing=True).train()
+    calls: list[str] = []
+    for name in ("encoder_layers", "decoder_layers"):
+        getattr(checkpointed, name)[0].register_forward_pre_hook(lambda *_, name=name: calls.append(name))
+    src, tgt = _batch()
+    labels = torch.randint(3, VOCAB, tgt.shape)
+    losses = []
+    for model in (plain, checkpointed):
+        loss = F.cross_entropy(model(src, tgt)[tgt != PAD], labels[tgt != PAD])
+        loss.backward()
+        losses.append(loss)
+    torch.testing.assert_close(losses[1], losses[0])
+    for (name, mine), theirs in zip(checkpointed.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(mine.grad, theirs.grad, msg=lambda m, name=name: f"{name}: {m}")
+    # Each checkpointed layer ran twice: once forward, once recomputed in the backward pass.
+    assert calls.count("encoder_layers") == 2 and calls.count("decoder_layers") == 2
+
+
+# --- configuration and inputs that must be refused -----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"d_model": 30, "num_heads": 4}, "num_heads"),
+        ({"activation": "swish"}, "activation"),
+        ({"position": "relative"}, "position"),
+        ({"attention_backend": "triton"}, "attention_backend"),
+        ({"window": 0}, "window"),
+        ({"cross_downsample": 0}, "cross_downsample"),
+    ],
+)
+def test_invalid_config_names_the_field(overrides: dict[str, Any], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        _config(**overrides)
+
+
+@pytest.mark.skipif(xformers_available(), reason="xformers is installed")
+def test_missing_xformers_raises_with_an_install_hint() -> None:
+    config = _config(attention_backend="xformers")  # the config is fine; building the model is not
+    with pytest.raises(BackendUnavailableError, match=r"pip install"):
+        Transformer(config)
+
+
+@pytest.mark.parametrize("position", ["sinusoidal", "learned"])
+def test_sequences_past_max_len_are_refused(position: str) -> None:
+    model = _model(position=position, max_len=16)
+    short = torch.randint(3, VOCAB, (2, 16))
+    model(short, short)  # max_len itself is fine
+    long = torch.randint(3, VOCAB, (2, 17))
+    with pytest.raises(ValueError, match="max_len=16"):
+        model(long, short)
+    with pytest.raises(ValueError, match="max_len=16"):
+        model(short, long)
+
+
+def test_rope_runs_past_max_len() -> None:
+    model = _model(position="rope", max_len=16)
+    long = torch.randint(3, VOCAB, (2, 40))
+    assert model(long, long).shape == (2, 40, VOCAB)

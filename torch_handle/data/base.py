@@ -1,0 +1,233 @@
+"""The DataModule behaviour shared by every task: tokenizer, tokenization, loaders, checkpointed state."""
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from itertools import chain
+from typing import Any, Literal
+
+from lightning.pytorch import LightningDataModule
+from lightning.pytorch.utilities import rank_zero_warn
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from torch_handle.data.batching import Collator, Example, ExampleDataset, TokenBudgetBatchSampler
+from torch_handle.data.tokenizer import Tokenizer
+from torch_handle.errors import DataError
+
+Split = Literal["train", "val", "test", "predict"]
+_STAGE_SPLITS: dict[str, tuple[Split, ...]] = {
+    "fit": ("train", "val"),
+    "validate": ("val",),
+    "test": ("test",),
+    "predict": ("predict",),
+}
+
+
+@dataclass(frozen=True)
+class TextSplit:
+    """A split as read from disk, before tokenization.
+
+    ``lines`` holds each example's line number, and ``source_origin``/``target_origin`` the files, so
+    that an error about one example can point at it.
+    """
+
+    sources: list[str]
+    targets: list[str] | None
+    lines: list[int]
+    source_origin: str
+    target_origin: str
+
+
+class Seq2SeqDataModule(LightningDataModule, ABC):
+    """Tokenizer, one-time tokenization, token-budget loaders and the tokenizer in checkpoints.
+
+    A task supplies :meth:`read_split`; everything else is shared. The tokenizer is built lazily on first
+    use (loaded from ``tokenizer_path`` or trained on the train split), so :attr:`vocab_size` is known right
+    after ``__init__``, which the CLI needs to size the model before ``setup()`` runs.
+    """
+
+    def __init__(
+        self,
+        tokenizer_path: str | None,
+        bpe_vocab_size: int,
+        max_tokens: int,
+        max_source_tokens: int,
+        max_target_tokens: int,
+        truncation: Literal["warn", "error"],
+        predict_batch_size: int,
+        num_workers: int,
+        pin_memory: bool,
+        seed: int,
+    ) -> None:
+        """Stores the settings shared by all tasks; their meaning is documented on each task's DataModule,
+        whose signature is the CLI."""
+        super().__init__()
+        for name, value, least in (
+            ("max_source_tokens", max_source_tokens, 2),  # one token and <eos>
+            ("max_target_tokens", max_target_tokens, 3),  # <bos>, one token and <eos>
+            ("max_tokens", max_tokens, 1),
+            ("bpe_vocab_size", bpe_vocab_size, 260),  # 4 special and 256 byte tokens
+            ("predict_batch_size", predict_batch_size, 1),
+        ):
+            if value < least:
+                raise DataError(f"--data.{name} must be at least {least}, got {value}")
+        self.tokenizer_path = tokenizer_path
+        self.bpe_vocab_size = bpe_vocab_size
+        self.max_tokens = max_tokens
+        self.truncation = truncation
+        self.predict_batch_size = predict_batch_size
+        self.num_workers = num_workers
+        self.pin_memory = pin_memory
+        self.seed = seed
+        self.collator = Collator(max_source_tokens, max_target_tokens)
+        self._tokenizer: Tokenizer | None = None
+        self._texts: dict[Split, TextSplit | None] = {}
+        self._datasets: dict[Split, ExampleDataset | None] = {}
+
+    @abstractmethod
+    def read_split(self, split: Split) -> TextSplit | None:
+        """Reads a split from disk; None for an optional split that is not configured.
+
+        Args:
+            split: Which split; ``"predict"`` has no targets.
+        """
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer: from ``tokenizer_path``, a checkpoint, or trained on the train split."""
+        if self._tokenizer is None:
+            if self.tokenizer_path is not None:
+                self._tokenizer = Tokenizer.from_file(self.tokenizer_path)
+            else:
+                train = self._text("train")
+                if train is None or train.targets is None:
+                    raise DataError("no tokenizer: set --data.tokenizer_path, or give training data to train one")
+                self._tokenizer = Tokenizer.train(chain(train.sources, train.targets), self.bpe_vocab_size)
+        return self._tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the model must embed (the tokenizer's actual size)."""
+        return self.tokenizer.vocab_size
+
+    @override
+    def setup(self, stage: str) -> None:
+        """Reads and tokenizes the splits the stage needs, once; bad input fails here, before training."""
+        for split in _STAGE_SPLITS[stage]:
+            self.dataset(split)
+
+    def dataset(self, split: Split) -> ExampleDataset | None:
+        """The tokenized split (None for an optional split that is not configured).
+
+        Args:
+            split: Which split.
+        """
+        if split not in self._datasets:
+            text = self._text(split)
+            self._datasets[split] = None if text is None else self._encode(text)
+        return self._datasets[split]
+
+    @override
+    def train_dataloader(self) -> DataLoader | list[DataLoader]:
+        return self._budget_loader("train", shuffle=True)
+
+    @override
+    def val_dataloader(self) -> DataLoader | list[DataLoader]:
+        return self._budget_loader("val", shuffle=False)
+
+    @override
+    def test_dataloader(self) -> DataLoader | list[DataLoader]:
+        return self._budget_loader("test", shuffle=False)
+
+    @override
+    def predict_dataloader(self) -> DataLoader:
+        # A plain batch size: Lightning rewraps predict batch samplers to track indices anyway.
+        dataset = self.dataset("predict")
+        assert dataset is not None  # read_split raises when there is no predict input
+        return DataLoader(
+            dataset,
+            batch_size=self.predict_batch_size,
+            shuffle=False,
+            collate_fn=self.collator,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+        )
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """The tokenizer, so a checkpoint decodes with the vocabulary it was trained with."""
+        return {"tokenizer": self.tokenizer.to_str()}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restores the checkpoint's tokenizer, re-tokenizing splits read with a different one.
+
+        Lightning calls this after ``setup()``, so splits may already be tokenized.
+        """
+        restored = Tokenizer.from_str(state_dict["tokenizer"])
+        if self._tokenizer is not None and restored.to_str() == self._tokenizer.to_str():
+            return
+        self._tokenizer = restored
+        self._datasets = {}
+        for split, text in self._texts.items():
+            self._datasets[split] = None if text is None else self._encode(text)
+
+    def _budget_loader(self, split: Split, shuffle: bool) -> DataLoader | list[DataLoader]:
+        """A loader batched by token budget and sharded across ranks; ``[]`` (no loop) without data."""
+        dataset = self.dataset(split)
+        if dataset is None:
+            return []
+        world_size, rank = (1, 0) if self.trainer is None else (self.trainer.world_size, self.trainer.global_rank)
+        sampler = TokenBudgetBatchSampler(
+            [self.collator.length(e) for e in dataset.examples],
+            self.max_tokens,
+            shuffle=shuffle,
+            seed=self.seed,
+            num_replicas=world_size,
+            rank=rank,
+        )
+        return DataLoader(
+            dataset,
+            batch_sampler=sampler,
+            collate_fn=self.collator,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def _text(self, split: Split) -> TextSplit | None:
+        if split not in self._texts:
+            self._texts[split] = self.read_split(split)
+        return self._texts[split]
+
+    def _encode(self, text: TextSplit) -> ExampleDataset:
+        """Tokenizes a split in one batch call, applying the truncation policy."""
+        src_ids = self.tokenizer.encode_batch(text.sources)
+        self._check_length(text, src_ids, "source", text.source_origin, self.collator.max_source_tokens - 1)
+        if text.targets is None:
+            return ExampleDataset([Example(ids, s) for ids, s in zip(src_ids, text.sources, strict=True)])
+        tgt_ids = self.tokenizer.encode_batch(text.targets)
+        self._check_length(text, tgt_ids, "target", text.target_origin, self.collator.max_target_tokens - 2)
+        return ExampleDataset(
+            [
+                Example(s_ids, s, t_ids, t)
+                for s_ids, s, t_ids, t in zip(src_ids, text.sources, tgt_ids, text.targets, strict=True)
+            ]
+        )
+
+    def _check_length(self, text: TextSplit, ids: list[list[int]], side: str, origin: str, limit: int) -> None:
+        """Warns once (counting) or raises for the first row longer than ``limit`` tokens."""
+        long = [i for i, row in enumerate(ids) if len(row) > limit]
+        if not long:
+            return
+        option = f"--data.max_{side}_tokens"
+        if self.truncation == "error":
+            first = long[0]
+            raise DataError(
+                f"{origin}:{text.lines[first]}: {side} has {len(ids[first])} tokens, over the {limit} that "
+                f"{option} allows; raise {option} or set --data.truncation=warn"
+            )
+        rank_zero_warn(
+            f"{origin}: truncated {len(long)} of {len(ids)} {side}s to {limit} tokens; "
+            f"raise {option} to keep them whole"
+        )

@@ -1,0 +1,225 @@
+"""Examples, token-budget batching and collation into the padded tensors the model consumes."""
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset, Sampler
+from typing_extensions import override
+
+from torch_handle.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
+
+Batch = dict[str, Any]  # {"src": (B, S), "tgt": (B, T), "src_text": [...], "tgt_text": [...]}
+
+
+@dataclass(frozen=True, slots=True)
+class Example:
+    """One pre-tokenized pair; ``tgt_ids``/``tgt_text`` are None for prediction inputs."""
+
+    src_ids: list[int]
+    src_text: str
+    tgt_ids: list[int] | None = None
+    tgt_text: str | None = None
+
+
+class ExampleDataset(Dataset[Example]):
+    """A split held in memory, tokenized once in ``setup()``."""
+
+    def __init__(self, examples: list[Example]) -> None:
+        """Holds the examples.
+
+        Args:
+            examples: The split's examples, in file order (prediction output keeps that order).
+        """
+        self.examples = examples
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    @override
+    def __getitem__(self, index: int) -> Example:
+        return self.examples[index]
+
+
+@dataclass(frozen=True)
+class Collator:
+    """Truncates, adds ``<bos>``/``<eos>`` and right-pads with ``<pad>`` (id 0).
+
+    ``src`` is the source tokens (at most ``max_source_tokens - 1``) then ``<eos>``; ``tgt`` is ``<bos>``,
+    the target tokens (at most ``max_target_tokens - 2``), then ``<eos>``. The model feeds ``tgt[:, :-1]``
+    to the decoder and scores ``tgt[:, 1:]``. A dataclass so DataLoader workers can pickle it.
+    """
+
+    max_source_tokens: int
+    max_target_tokens: int
+
+    def source_ids(self, example: Example) -> list[int]:
+        """The source row before padding."""
+        return example.src_ids[: self.max_source_tokens - 1] + [EOS_ID]
+
+    def target_ids(self, example: Example) -> list[int]:
+        """The target row before padding; empty for prediction inputs."""
+        if example.tgt_ids is None:
+            return []
+        return [BOS_ID] + example.tgt_ids[: self.max_target_tokens - 2] + [EOS_ID]
+
+    def length(self, example: Example) -> int:
+        """The longer of the two rows: what the example costs in a token budget."""
+        return max(len(self.source_ids(example)), len(self.target_ids(example)))
+
+    def __call__(self, examples: Sequence[Example]) -> Batch:
+        has_target = [e.tgt_ids is not None for e in examples]
+        if any(has_target) and not all(has_target):
+            raise ValueError("a batch mixes examples with and without targets")
+        batch: Batch = {
+            "src": _pad([self.source_ids(e) for e in examples]),
+            "src_text": [e.src_text for e in examples],
+        }
+        if all(has_target):
+            batch["tgt"] = _pad([self.target_ids(e) for e in examples])
+            batch["tgt_text"] = [e.tgt_text for e in examples]
+        return batch
+
+
+def _pad(rows: list[list[int]]) -> torch.Tensor:
+    """Right-pads rows of ids into a (B, L) LongTensor."""
+    out = torch.full((len(rows), max(map(len, rows), default=0)), PAD_ID, dtype=torch.long)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+    return out
+
+
+class TokenBudgetBatchSampler(Sampler[list[int]]):
+    """Length-bucketed batches of at most ``max_tokens`` padded tokens, sharded across ranks.
+
+    Indices are sorted by length (ties in a seeded random order when shuffling) and cut greedily into
+    batches with ``len(batch) * longest <= max_tokens``, so padding stays small and memory per step stays
+    flat whatever the lengths; an example longer than the budget forms a batch of its own. The batch order
+    is then shuffled with ``torch.Generator`` seeded by ``seed + epoch``. Every rank computes the same list
+    and takes a strided shard, padded by repetition (or trimmed with ``drop_last``) so that all ranks run
+    the same number of steps, as ``DistributedSampler`` does; the trainer must therefore not inject its
+    own distributed sampler (``Trainer(use_distributed_sampler=False)``).
+    """
+
+    def __init__(
+        self,
+        lengths: Sequence[int],
+        max_tokens: int,
+        shuffle: bool,
+        seed: int = 0,
+        num_replicas: int = 1,
+        rank: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        """Builds the sampler; batches are cut lazily in ``__iter__``.
+
+        Args:
+            lengths: Cost in tokens of each example (padded row length, see :meth:`Collator.length`).
+            max_tokens: Budget of ``batch size * longest example`` per batch.
+            shuffle: Shuffle ties and the batch order (training); off gives a fixed order (evaluation).
+            seed: Base seed; epoch ``e`` uses ``seed + e``, so runs are reproducible and epochs differ.
+            num_replicas: Number of ranks sharing the data.
+            rank: This rank, in ``[0, num_replicas)``.
+            drop_last: Drop the tail batches that do not divide evenly across ranks instead of repeating
+                batches from the start.
+        """
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank {rank} is outside [0, {num_replicas})")
+        self.lengths = [max(1, int(n)) for n in lengths]
+        self.max_tokens = max_tokens
+        self.shuffle = shuffle
+        self.seed = seed
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.drop_last = drop_last
+        self.epoch = 0
+        self._resume_at: tuple[int, int] | None = None  # (epoch, batches to skip) from load_state_dict
+        self._batches_done = 0
+        # The batch count does not depend on how ties are ordered, so one cut gives it for every epoch.
+        num_batches = len(self._cut(sorted(range(len(self.lengths)), key=self.lengths.__getitem__)))
+        if drop_last:
+            self._per_rank = num_batches // num_replicas
+        else:
+            self._per_rank = math.ceil(num_batches / num_replicas)
+
+    @property
+    def sampler(self) -> "TokenBudgetBatchSampler":
+        """Itself: Lightning calls ``set_epoch`` on ``dataloader.batch_sampler.sampler``, not on the batch
+        sampler (``lightning.fabric.utilities.data._set_sampler_epoch``)."""
+        return self
+
+    def set_epoch(self, epoch: int) -> None:
+        """Selects the epoch whose order the next ``__iter__`` yields.
+
+        Args:
+            epoch: Epoch number; the order is a function of ``seed + epoch`` only.
+        """
+        if epoch != self.epoch:
+            self._batches_done = 0
+        self.epoch = epoch
+
+    def state_dict(self) -> dict[str, int]:
+        """Where the current epoch stands: ``{"epoch": e, "batches_done": k}``.
+
+        ``batches_done`` counts batches this sampler has handed out, which runs ahead of the training step
+        when the DataLoader prefetches; a resume that knows the number of completed steps should pass that
+        instead.
+        """
+        return {"epoch": self.epoch, "batches_done": self._batches_done}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        """Resumes mid-epoch: the next ``__iter__`` of epoch ``e`` skips its first ``k`` batches.
+
+        Args:
+            state_dict: As returned by :meth:`state_dict`.
+        """
+        self.epoch = int(state_dict["epoch"])
+        self._batches_done = int(state_dict["batches_done"])
+        self._resume_at = (self.epoch, self._batches_done)
+
+    def __len__(self) -> int:
+        """Batches per epoch on this rank. A resumed epoch yields fewer, but Lightning counts the skipped
+        ones as done (it restores its batch counter), so the full count is what it needs."""
+        return self._per_rank
+
+    @override
+    def __iter__(self) -> Iterator[list[int]]:
+        skip = 0
+        if self._resume_at is not None and self._resume_at[0] == self.epoch:
+            skip = self._resume_at[1]
+        self._resume_at = None
+        self._batches_done = skip
+        for batch in self._rank_batches()[skip:]:
+            self._batches_done += 1
+            yield batch
+
+    def _rank_batches(self) -> list[list[int]]:
+        """This rank's batches for the current epoch."""
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        n = len(self.lengths)
+        tiebreak = torch.randperm(n, generator=generator).tolist() if self.shuffle else range(n)
+        batches = self._cut(sorted(range(n), key=lambda i: (self.lengths[i], tiebreak[i])))
+        if self.shuffle:
+            batches = [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
+        total = self._per_rank * self.num_replicas
+        if batches and total > len(batches):  # repeat from the start so that every rank has as many
+            batches = (batches * math.ceil(total / len(batches)))[:total]
+        return batches[self.rank : total : self.num_replicas]
+
+    def _cut(self, order: list[int]) -> list[list[int]]:
+        """Greedily cuts indices sorted by ascending length into batches within the budget."""
+        batches: list[list[int]] = []
+        current: list[int] = []
+        for index in order:
+            # sorted ascending, so the new example is the longest in the batch
+            if current and (len(current) + 1) * self.lengths[index] > self.max_tokens:
+                batches.append(current)
+                current = []
+            current.append(index)
+        if current:
+            batches.append(current)
+        return batches

@@ -1,0 +1,91 @@
+"""Summarization data: long documents and their summaries in JSON-lines files."""
+
+from typing import Literal
+
+from typing_extensions import override
+
+from torch_handle.data.base import Seq2SeqDataModule, Split, TextSplit
+from torch_handle.data.io import read_documents, read_jsonl
+from torch_handle.errors import DataError
+
+
+class SummarizationDataModule(Seq2SeqDataModule):
+    """(document, summary) pairs from JSON lines, e.g. QMSum or SQuALITY."""
+
+    def __init__(
+        self,
+        train_file: str | None = None,
+        val_file: str | None = None,
+        test_file: str | None = None,
+        predict_file: str | None = None,
+        document_field: str = "document",
+        summary_field: str = "summary",
+        tokenizer_path: str | None = None,
+        bpe_vocab_size: int = 8000,
+        max_tokens: int = 65536,
+        max_source_tokens: int = 32768,
+        max_target_tokens: int = 512,
+        truncation: Literal["warn", "error"] = "warn",
+        predict_batch_size: int = 4,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        seed: int = 0,
+    ) -> None:
+        """Configures where the documents come from and how they are batched.
+
+        Args:
+            train_file: JSON lines with a document and a summary field per line; needed to fit, and to
+                train a tokenizer when ``tokenizer_path`` is not set.
+            val_file: Like ``train_file``; None skips validation.
+            test_file: Like ``train_file``, for ``test``.
+            predict_file: Documents to summarize: JSON lines with ``document_field``, or plain text with one
+                document per line. Output keeps its order.
+            document_field: JSON field holding the input document.
+            summary_field: JSON field holding the reference summary.
+            tokenizer_path: A saved ``tokenizer.json`` to use. None trains a BPE on the training documents and
+                summaries (deterministic, so every rank trains the same one); checkpoints store it.
+            bpe_vocab_size: Vocabulary size to train for, special and byte tokens included.
+            max_tokens: Padded tokens per batch (batch size x longest sequence); a document longer than this
+                is a batch of its own.
+            max_source_tokens: Longest document kept, ``<eos>`` included; QMSum meetings reach ~32k tokens.
+            max_target_tokens: Longest summary kept, ``<bos>`` and ``<eos>`` included.
+            truncation: What to do with longer texts: ``warn`` cuts them and warns once per split with a
+                count; ``error`` stops at the first, naming its file and line.
+            predict_batch_size: Documents per prediction batch; small, since documents are long.
+            num_workers: DataLoader worker processes; 0 collates in the main process.
+            pin_memory: Pin batches in page-locked memory for faster copies to a GPU.
+            seed: Seeds batch shuffling (with the epoch).
+        """
+        super().__init__(
+            tokenizer_path=tokenizer_path,
+            bpe_vocab_size=bpe_vocab_size,
+            max_tokens=max_tokens,
+            max_source_tokens=max_source_tokens,
+            max_target_tokens=max_target_tokens,
+            truncation=truncation,
+            predict_batch_size=predict_batch_size,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            seed=seed,
+        )
+        self.files = {"train": train_file, "val": val_file, "test": test_file, "predict": predict_file}
+        self.document_field = document_field
+        self.summary_field = summary_field
+
+    @override
+    def read_split(self, split: Split) -> TextSplit | None:
+        path = self.files[split]
+        if path is None:
+            if split == "val":
+                return None
+            hint = " (to only test or predict, --data.tokenizer_path is enough)" if split == "train" else ""
+            raise DataError(f"no {split} data: set --data.{split}_file to a JSON-lines file{hint}")
+        settings = {self.document_field: "--data.document_field", self.summary_field: "--data.summary_field"}
+        if split == "predict":
+            records = read_documents(path, self.document_field, settings[self.document_field])
+            targets = None
+        else:
+            records = read_jsonl(path, [self.document_field, self.summary_field], settings)
+            targets = [r.fields[self.summary_field].strip() for r in records]
+        sources = [r.fields[self.document_field].strip() for r in records]
+        return TextSplit(sources, targets, [r.line for r in records], path, path)

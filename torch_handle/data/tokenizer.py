@@ -1,0 +1,151 @@
+"""Byte-level BPE tokenizer with the special tokens at fixed ids."""
+
+import logging
+import os
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from torch_handle.errors import DataError
+
+log = logging.getLogger(__name__)
+
+PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")  # in id order
+
+
+class Tokenizer:
+    """Subword BPE from the ``tokenizers`` library, special tokens at fixed ids.
+
+    Byte-level pre-tokenization and decoding make ``decode(encode(text)) == text`` for any UTF-8 text
+    (umlauts, emoji, newlines, repeated spaces): every byte has a token, so nothing becomes ``<unk>``.
+    """
+
+    pad_id: int = PAD_ID
+    bos_id: int = BOS_ID
+    eos_id: int = EOS_ID
+    unk_id: int = UNK_ID
+
+    def __init__(self, backend: _HFTokenizer) -> None:
+        """Wraps a ``tokenizers.Tokenizer``; use :meth:`train`, :meth:`from_file` or :meth:`from_str`.
+
+        Args:
+            backend: A tokenizer whose special tokens sit at ids 0-3 in the order of ``SPECIAL_TOKENS``;
+                the model and the collator rely on those ids.
+        """
+        ids = [backend.token_to_id(token) for token in SPECIAL_TOKENS]
+        if ids != list(range(len(SPECIAL_TOKENS))):
+            found = ", ".join(f"{t}={i}" for t, i in zip(SPECIAL_TOKENS, ids, strict=True))
+            raise DataError(f"tokenizer has special tokens at the wrong ids ({found}); expected 0-3 in that order")
+        self._backend = backend
+
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int) -> "Tokenizer":
+        """Learns a BPE vocabulary; the same texts and size always give the same tokenizer.
+
+        Args:
+            texts: Training text, for translation both languages (one joint vocabulary lets the model tie
+                its embeddings).
+            vocab_size: Target size including the 4 special tokens and 256 byte tokens; the result can be
+                smaller when the text has fewer distinct merges (see :attr:`vocab_size`).
+        """
+        backend = _HFTokenizer(models.BPE(unk_token="<unk>"))
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        backend.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=list(SPECIAL_TOKENS),
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        backend.train_from_iterator(texts, trainer)
+        log.info("trained a BPE tokenizer with %d tokens", backend.get_vocab_size())
+        return cls(backend)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "Tokenizer":
+        """Loads a tokenizer saved by :meth:`save`.
+
+        Args:
+            path: A ``tokenizer.json`` file.
+        """
+        path = Path(path)
+        if not path.is_file():
+            raise DataError(f"tokenizer file {path} not found; pass the path of a saved tokenizer.json")
+        try:
+            return cls.from_str(path.read_text(encoding="utf-8"))
+        except (DataError, UnicodeDecodeError) as err:
+            raise DataError(f"{path} is not a torch-handle tokenizer file: {err}") from None
+
+    @classmethod
+    def from_str(cls, json_str: str) -> "Tokenizer":
+        """Rebuilds a tokenizer from :meth:`to_str` output (as stored in checkpoints).
+
+        Args:
+            json_str: The tokenizer's JSON serialization.
+        """
+        try:
+            backend = _HFTokenizer.from_str(json_str)
+        except Exception as err:  # the Rust binding raises a bare Exception
+            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise DataError(f"not a tokenizer JSON ({reason})") from None
+        return cls(backend)
+
+    def to_str(self) -> str:
+        """The JSON serialization, from which :meth:`from_str` rebuilds an identical tokenizer."""
+        return self._backend.to_str()
+
+    def save(self, path: str | Path) -> None:
+        """Writes the tokenizer JSON atomically, so a crash never leaves a half-written file.
+
+        Args:
+            path: Destination file; its folder is created if needed.
+        """
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(self.to_str())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, special tokens included: the model's embedding size."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, without special tokens (the collator adds ``<bos>``/``<eos>``)."""
+        return self._backend.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of many texts at once, in parallel in the Rust library."""
+        return [e.ids for e in self._backend.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids``, stopping at the first ``<eos>`` and dropping the other special tokens.
+
+        Args:
+            ids: Token ids, e.g. one row of generated output (a list or a 1-D tensor).
+        """
+        return self._backend.decode(_until_eos(ids), skip_special_tokens=True)
+
+    def decode_batch(self, batch: Sequence[Sequence[int]]) -> list[str]:
+        """Text of each row in ``batch``, as :meth:`decode`.
+
+        Args:
+            batch: Rows of token ids (a list of lists or a 2-D tensor).
+        """
+        return self._backend.decode_batch([_until_eos(ids) for ids in batch], skip_special_tokens=True)
+
+
+def _until_eos(ids: Sequence[int]) -> list[int]:
+    """Plain ints up to (excluding) the first ``<eos>``; accepts tensors through ``tolist``."""
+    values = ids.tolist() if hasattr(ids, "tolist") else [int(i) for i in ids]
+    return values[: values.index(EOS_ID)] if EOS_ID in values else values

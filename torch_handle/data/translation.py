@@ -1,0 +1,100 @@
+"""Translation data: parallel text files (Multi30k / fairseq layout) or the built-in demo task."""
+
+from pathlib import Path
+
+from typing_extensions import override
+
+from torch_handle.data.base import Seq2SeqDataModule, Split, TextSplit
+from torch_handle.data.demo import demo_corpus
+from torch_handle.data.io import read_lines, read_parallel
+from torch_handle.errors import DataError
+
+DEMO_EVAL_SIZE = 500  # pairs in the demo's val and test splits
+
+
+class TranslationDataModule(Seq2SeqDataModule):
+    """Sentence pairs from ``{data_dir}/{split}.{lang}`` files, or the generated demo task."""
+
+    def __init__(
+        self,
+        data_dir: str | None = None,
+        src_lang: str = "en",
+        tgt_lang: str = "de",
+        train_split: str = "train",
+        val_split: str = "val",
+        test_split: str = "test",
+        predict_file: str | None = None,
+        tokenizer_path: str | None = None,
+        bpe_vocab_size: int = 8000,
+        max_tokens: int = 4096,
+        max_source_tokens: int = 256,
+        max_target_tokens: int = 256,
+        predict_batch_size: int = 32,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        seed: int = 0,
+        demo_size: int = 20000,
+    ) -> None:
+        """Configures where the pairs come from and how they are batched.
+
+        Args:
+            data_dir: Folder of line-aligned files named ``{split}.{lang}``, e.g. Multi30k's ``train.en``
+                and ``train.de``. None uses the built-in demo task, generated in memory (no download).
+            src_lang: File suffix of the source language.
+            tgt_lang: File suffix of the target language.
+            train_split: File stem of the training split.
+            val_split: File stem of the validation split.
+            test_split: File stem of the test split (Multi30k: ``test_2016_flickr``).
+            predict_file: Text file to translate, one sentence per line; output keeps its line order.
+            tokenizer_path: A saved ``tokenizer.json`` to use. None trains a joint source+target BPE on the
+                training split (deterministic, so every rank trains the same one); checkpoints store it.
+            bpe_vocab_size: Vocabulary size to train for, special and byte tokens included.
+            max_tokens: Padded tokens per batch (batch size x longest sequence); batches are length-bucketed
+                so that memory per step stays flat.
+            max_source_tokens: Longest source kept, ``<eos>`` included; longer ones are cut, with a warning.
+            max_target_tokens: Longest target kept, ``<bos>`` and ``<eos>`` included.
+            predict_batch_size: Sentences per prediction batch.
+            num_workers: DataLoader worker processes; 0 collates in the main process, enough for this data.
+            pin_memory: Pin batches in page-locked memory for faster copies to a GPU.
+            seed: Seeds batch shuffling (with the epoch) and the demo corpus.
+            demo_size: Training pairs in the demo task (val and test get 500 each).
+        """
+        super().__init__(
+            tokenizer_path=tokenizer_path,
+            bpe_vocab_size=bpe_vocab_size,
+            max_tokens=max_tokens,
+            max_source_tokens=max_source_tokens,
+            max_target_tokens=max_target_tokens,
+            truncation="warn",
+            predict_batch_size=predict_batch_size,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            seed=seed,
+        )
+        if data_dir is not None and not Path(data_dir).is_dir():
+            raise DataError(f"data_dir {data_dir} not found; pass an existing folder, or omit it for the demo")
+        self.data_dir = data_dir
+        self.src_lang = src_lang
+        self.tgt_lang = tgt_lang
+        self.split_names = {"train": train_split, "val": val_split, "test": test_split}
+        self.predict_file = predict_file
+        self.demo_size = demo_size
+
+    @override
+    def read_split(self, split: Split) -> TextSplit:
+        if split == "predict":
+            if self.predict_file is None:
+                raise DataError("nothing to predict: set --data.predict_file to a text file, one sentence per line")
+            sources = read_lines(self.predict_file)
+            return TextSplit(sources, None, list(range(1, len(sources) + 1)), self.predict_file, self.predict_file)
+        if self.data_dir is None:
+            size = self.demo_size if split == "train" else DEMO_EVAL_SIZE
+            pairs = demo_corpus(split, size, self.seed)
+            source_origin = target_origin = f"demo:{split}"
+        else:
+            stem = Path(self.data_dir) / self.split_names[split]
+            source_origin, target_origin = f"{stem}.{self.src_lang}", f"{stem}.{self.tgt_lang}"
+            pairs = read_parallel(source_origin, target_origin)
+        return TextSplit(
+            [s for s, _ in pairs], [t for _, t in pairs], list(range(1, len(pairs) + 1)), source_origin, target_origin
+        )

@@ -1,0 +1,9 @@
+"""Errors a user can fix, reported as one readable line."""
+
+
+class DataError(ValueError):
+    """Bad input data or data settings.
+
+    The message is one line that names the file (and line) at fault and says how to fix it; the CLI
+    prints ``str(err)`` and nothing else, so it must stand on its own.
+    """

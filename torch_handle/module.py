@@ -1,0 +1,180 @@
+"""The one LightningModule: loss, metrics, optimizer and decoding, for every strategy."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torchmetrics.text import SacreBLEUScore
+from typing_extensions import override
+
+from torch_handle.metrics import Rouge
+from torch_handle.model import Transformer, TransformerConfig
+
+# Checkpoints keep the config as a dataclass; let ``torch.load(weights_only=True)`` accept it.
+torch.serialization.add_safe_globals([TransformerConfig])
+
+Task = Literal["translation", "summarization"]
+
+
+class Seq2SeqModule(L.LightningModule):
+    """Trains the handwritten Transformer; the strategy (DDP, DeepSpeed, FSDP) is the Trainer's concern.
+
+    Args:
+        transformer: Model hyper-parameters. Its vocabulary sizes are replaced by ``vocab_size``.
+        vocab_size: Size of the joint source/target vocabulary; the CLI links it from the data module's
+            tokenizer, so it is never typed twice.
+        task: ``translation`` reports sacreBLEU, ``summarization`` ROUGE-1/2/L/Lsum.
+        label_smoothing: Label smoothing of the cross entropy (the paper uses 0.1).
+        lr: Peak learning rate, reached after ``warmup_steps``.
+        weight_decay: AdamW's decoupled weight decay (not applied to biases, norms and embeddings).
+        betas: AdamW's betas.
+        warmup_steps: Linear warmup from ``lr / 1000`` to ``lr``; cosine decay to ``min_lr_ratio * lr`` after.
+        min_lr_ratio: Final learning rate as a fraction of ``lr``.
+        num_beams: Beam width when decoding in validation, test and predict.
+        length_penalty: Beam-search length normalisation exponent.
+        max_new_tokens: Longest generated output.
+        generate_every_n_val_epochs: Decode (and compute BLEU/ROUGE) in validation only every n epochs;
+            0 never decodes in validation. Test always decodes.
+    """
+
+    def __init__(
+        self,
+        transformer: TransformerConfig = TransformerConfig(),  # noqa: B008 - jsonargparse reads the default
+        vocab_size: int = 8000,
+        task: Task = "translation",
+        label_smoothing: float = 0.1,
+        lr: float = 5e-4,
+        weight_decay: float = 0.01,
+        betas: tuple[float, float] = (0.9, 0.98),
+        warmup_steps: int = 4000,
+        min_lr_ratio: float = 0.1,
+        num_beams: int = 4,
+        length_penalty: float = 1.0,
+        max_new_tokens: int = 128,
+        generate_every_n_val_epochs: int = 1,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        config = dataclasses.replace(transformer, src_vocab_size=vocab_size, tgt_vocab_size=vocab_size)
+        self.model = Transformer(config)
+        self.config = config
+        self.val_metric, self.test_metric = (self._new_metric() for _ in range(2))
+
+    def _new_metric(self) -> SacreBLEUScore | Rouge:
+        return SacreBLEUScore(tokenize="13a") if self.hparams.task == "translation" else Rouge()
+
+    @property
+    def tokenizer(self) -> Any:
+        """The data module's tokenizer: it decodes exactly as the data was encoded."""
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if datamodule is None or not hasattr(datamodule, "tokenizer"):
+            raise RuntimeError("decoding needs a data module with a tokenizer: pass datamodule= to the Trainer")
+        return datamodule.tokenizer
+
+    # --- loss ---------------------------------------------------------------------------------------------
+
+    def _loss(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor, Tensor]:
+        """Label-smoothed cross entropy over non-padding targets; also the plain NLL and the token count.
+
+        One log-softmax serves both: smoothed loss = (1 - eps) * NLL + eps * mean over the vocabulary of
+        -log p, the definition ``F.cross_entropy(label_smoothing=eps)`` uses.
+        """
+        tgt = batch["tgt"]
+        logits = self.model(batch["src"], tgt[:, :-1])  # (B, T, V)
+        labels = tgt[:, 1:].reshape(-1)
+        log_probs = F.log_softmax(logits.float(), dim=-1).view(-1, logits.shape[-1])
+        keep = labels != self.config.pad_id
+        tokens = keep.sum()
+        nll = F.nll_loss(log_probs, labels, ignore_index=self.config.pad_id, reduction="sum") / tokens
+        smooth = -(log_probs.mean(dim=-1) * keep).sum() / tokens
+        eps = self.hparams.label_smoothing
+        return (1 - eps) * nll + eps * smooth, nll, tokens
+
+    @override
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
+        loss, nll, tokens = self._loss(batch)
+        batch_size = batch["tgt"].shape[0]
+        self.log("train/loss", loss, prog_bar=True, batch_size=batch_size)
+        self.log("train/ppl", nll.detach().exp(), batch_size=batch_size)
+        self.log("train/tokens", tokens.float(), reduce_fx="sum", batch_size=batch_size)
+        return loss
+
+    # --- evaluation ---------------------------------------------------------------------------------------
+
+    def _evaluate(self, batch: dict[str, Any], stage: str, metric: SacreBLEUScore | Rouge, decode: bool) -> None:
+        loss, nll, _ = self._loss(batch)
+        batch_size = batch["tgt"].shape[0]
+        self.log(f"{stage}/loss", loss, prog_bar=True, sync_dist=True, batch_size=batch_size)
+        self.log(f"{stage}/ppl", nll.exp(), sync_dist=True, batch_size=batch_size)
+        if decode:
+            predictions = self.generate_text(batch["src"])
+            references = batch["tgt_text"]
+            metric.update(predictions, [[r] for r in references] if isinstance(metric, SacreBLEUScore) else references)
+
+    @override
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        every = self.hparams.generate_every_n_val_epochs
+        decode = every > 0 and (self.current_epoch + 1) % every == 0 and not self.trainer.sanity_checking
+        self._evaluate(batch, "val", self.val_metric, decode)
+
+    @override
+    def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        self._evaluate(batch, "test", self.test_metric, decode=True)
+
+    def _log_metric(self, stage: str, metric: SacreBLEUScore | Rouge) -> None:
+        if not metric.update_called:
+            return
+        value = metric.compute()
+        self.log_dict(
+            {f"{stage}/{k}": v for k, v in value.items()} if isinstance(value, dict) else {f"{stage}/bleu": value}
+        )
+        metric.reset()
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        self._log_metric("val", self.val_metric)
+
+    @override
+    def on_test_epoch_end(self) -> None:
+        self._log_metric("test", self.test_metric)
+
+    @override
+    def predict_step(self, batch: dict[str, Any], batch_idx: int) -> list[str]:
+        return self.generate_text(batch["src"])
+
+    def generate_text(self, src: Tensor) -> list[str]:
+        """Beam-search ``src (B, S)`` and detokenize."""
+        ids = self.model.generate(src, self.hparams.max_new_tokens, self.hparams.num_beams, self.hparams.length_penalty)
+        return self.tokenizer.decode_batch(ids.tolist())
+
+    # --- optimisation -------------------------------------------------------------------------------------
+
+    @override
+    def configure_optimizers(self) -> Any:
+        decay, no_decay = [], []
+        for name, param in self.named_parameters():
+            if param.requires_grad:
+                (decay if param.dim() >= 2 and "embed" not in name else no_decay).append(param)
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=self.hparams.lr,
+            betas=self.hparams.betas,
+        )
+        total = max(int(self.trainer.estimated_stepping_batches), 1)
+        warmup = max(min(self.hparams.warmup_steps, total - 1), 1)
+        scheduler = torch.optim.lr_scheduler.SequentialLR(
+            optimizer,
+            [
+                torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1e-3, total_iters=warmup),
+                torch.optim.lr_scheduler.CosineAnnealingLR(
+                    optimizer, T_max=max(total - warmup, 1), eta_min=self.hparams.lr * self.hparams.min_lr_ratio
+                ),
+            ],
+            milestones=[warmup],
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
