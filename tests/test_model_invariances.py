@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -10,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from torch_handle.model import BackendUnavailableError, Transformer, TransformerConfig
-from torch_handle.model.generation import beam_search
+from torch_handle.model.generation import beam_search, greedy_search
 from torch_handle.model.kernels import xformers_available
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -167,27 +168,64 @@ def test_cached_greedy_equals_uncached_argmax(position: str) -> None:
     assert torch.equal(out, expected[:, : out.shape[1]])
 
 
-@torch.no_grad()
-def test_beam_search_with_one_beam_is_greedy() -> None:
-    model = _favour_eos(_model())
+class _PrefixCache:
+    """What :class:`_ScriptedDecoder` keeps between steps: each row's tokens so far."""
+
+    def __init__(self) -> None:
+        self.prefixes: list[tuple[int, ...]] = []
+
+    def extend(self, tokens: list[int]) -> None:
+        self.prefixes = [p + (t,) for p, t in zip(self.prefixes or [()] * len(tokens), tokens, strict=True)]
+
+    def reorder(self, index: Tensor) -> None:
+        self.prefixes = [self.prefixes[i] for i in index.tolist()]
+
+
+class _ScriptedDecoder:
+    """A stand-in for the Transformer in the search functions, whose every outcome is known in advance.
+
+    Next-token logits are a fixed pseudo-random function of (source, prefix); EOS grows likelier with the
+    length, so that some hypotheses finish early and others run to the step limit, whatever the model's
+    initialisation does.
+    """
+
+    def __init__(self) -> None:
+        self.config = _config()
+
+    def next_logits(self, source: int, prefix: tuple[int, ...]) -> Tensor:
+        generator = torch.Generator().manual_seed(hash((source, prefix)) % 2**31)  # int tuples hash stably
+        logits = 2.0 * torch.randn(VOCAB, generator=generator)
+        logits[EOS] += 0.8 * len(prefix) - 3.0
+        return logits
+
+    # The interface greedy_search and beam_search use.
+    def encode(self, src: Tensor) -> Tensor:
+        return src[:, :1, None].float()  # (B, 1, 1): the source id travels as the "memory"
+
+    def memory_padding(self, src: Tensor) -> Tensor:
+        return torch.zeros(src.shape[0], 1, dtype=torch.bool)
+
+    def new_cache(self, capacity: int) -> _PrefixCache:
+        return _PrefixCache()
+
+    def decode(self, tokens: Tensor, memory: Tensor, memory_padding: Tensor, cache: _PrefixCache) -> Tensor:
+        cache.extend(tokens[:, -1].tolist())
+        sources = memory[:, 0, 0].long().tolist()
+        return torch.stack([self.next_logits(s, p) for s, p in zip(sources, cache.prefixes, strict=True)])[:, None]
+
+
+def _search_inputs(kind: str) -> tuple[Transformer | _ScriptedDecoder, Tensor]:
+    if kind == "scripted":
+        return _ScriptedDecoder(), torch.arange(10, 22)[:, None]  # 12 sources
     src = torch.randint(3, VOCAB, (6, 11))
     src[1, 7:] = PAD
-    steps = 10
-    greedy = model.generate(src, steps)
-    assert (greedy == EOS).any(), "some row should end early, so that the padding after EOS is compared too"
-    assert torch.equal(beam_search(model, src, steps, 1, 1.0), greedy)
+    return _model(), src
 
 
-def _favour_eos(model: Transformer) -> Transformer:
-    """Make EOS likely enough that some hypotheses end early, so that the finishing logic gets exercised."""
-    with torch.no_grad():
-        head = model.lm_head.weight
-        head[EOS] += head[EOS].sign() * head.abs().mean()
-    return model
-
-
-def _reference_beam_search(model: Transformer, src: Tensor, steps: int, k: int, length_penalty: float) -> list[int]:
-    """Beam search for one source written plainly: a full forward pass per hypothesis, no cache, no batching.
+def _reference_beam_search(
+    next_log_probs: Callable[[list[int]], list[float]], steps: int, k: int, length_penalty: float
+) -> list[int]:
+    """Beam search for one source written plainly: one call per hypothesis and step, no cache, no batching.
 
     The rules are the documented ones: the 2k best continuations are ranked; an EOS among the first k
     finishes a hypothesis; the first k others live on; k finished hypotheses stop the search; at the last
@@ -198,8 +236,7 @@ def _reference_beam_search(model: Transformer, src: Tensor, steps: int, k: int, 
     for step in range(steps):
         candidates = []
         for seq, score in beams:
-            logp = torch.log_softmax(model(src[None], torch.tensor([[BOS, *seq]]))[0, -1], dim=-1).tolist()
-            candidates += [(score + lp, seq + [token]) for token, lp in enumerate(logp)]
+            candidates += [(score + lp, seq + [token]) for token, lp in enumerate(next_log_probs(seq))]
         candidates.sort(key=lambda c: -c[0])
         beams = []
         for rank, (score, seq) in enumerate(candidates[: 2 * k]):
@@ -215,21 +252,38 @@ def _reference_beam_search(model: Transformer, src: Tensor, steps: int, k: int, 
     return max(finished, key=lambda h: h[0])[1]
 
 
+def _next_log_probs(model: Transformer | _ScriptedDecoder, src: Tensor) -> Callable[[list[int]], list[float]]:
+    """``seq -> log p(next | src, BOS + seq)`` for one source ``src (S,)``, from scratch every time."""
+    if isinstance(model, _ScriptedDecoder):
+        return lambda seq: torch.log_softmax(model.next_logits(int(src[0]), (BOS, *seq)), dim=-1).tolist()
+    return lambda seq: torch.log_softmax(model(src[None], torch.tensor([[BOS, *seq]]))[0, -1], dim=-1).tolist()
+
+
+@pytest.mark.parametrize("kind", ["transformer", "scripted"])
+@torch.no_grad()
+def test_beam_search_with_one_beam_is_greedy(kind: str) -> None:
+    model, src = _search_inputs(kind)
+    greedy = greedy_search(model, src, 10)
+    if kind == "scripted":
+        assert (greedy == EOS).any(), "some row should end early, so that the padding after EOS is compared too"
+    assert torch.equal(beam_search(model, src, 10, 1, 1.0), greedy)
+
+
+@pytest.mark.parametrize(("kind", "k"), [("transformer", 3), ("scripted", 2), ("scripted", 4)])
 @pytest.mark.parametrize("length_penalty", [0.0, 1.0])
 @torch.no_grad()
-def test_beam_search_matches_a_plain_reference(length_penalty: float) -> None:
-    model = _favour_eos(_model())
-    src = torch.randint(3, VOCAB, (6, 11))
-    src[1, 7:] = PAD
-    steps, k = 7, 3
+def test_beam_search_matches_a_plain_reference(kind: str, k: int, length_penalty: float) -> None:
+    model, src = _search_inputs(kind)
+    steps = 7
     out = beam_search(model, src, steps, k, length_penalty)
     ended = []
     for row in range(src.shape[0]):
-        expected = _reference_beam_search(model, src[row], steps, k, length_penalty)
-        assert out[row, : len(expected)].tolist() == expected
+        expected = _reference_beam_search(_next_log_probs(model, src[row]), steps, k, length_penalty)
+        assert out[row, : len(expected)].tolist() == expected, f"row {row}"
         assert (out[row, len(expected) :] == PAD).all()
         ended.append(expected[-1] == EOS)
-    assert any(ended) and not all(ended), "the batch should hold both finished and cut-off hypotheses"
+    if kind == "scripted":
+        assert any(ended) and not all(ended), "the batch should hold both finished and cut-off hypotheses"
 
 
 @torch.no_grad()
