@@ -1,0 +1,56 @@
+"""Lightning's ThroughputMonitor, fed with encoder-decoder FLOPs so that tokens/s and MFU are logged."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import ThroughputMonitor
+from typing_extensions import override
+
+from torch_handle.data.tokenizer import PAD_ID
+from torch_handle.flops import training_flops
+
+
+def _lengths(batch: dict[str, Any], key: str, drop_last: bool = False) -> list[int]:
+    ids = batch[key][:, :-1] if drop_last else batch[key]
+    return (ids != PAD_ID).sum(dim=1).tolist()
+
+
+def _tokens(batch: dict[str, Any]) -> int:
+    return int((batch["src"] != PAD_ID).sum() + (batch["tgt"][:, 1:] != PAD_ID).sum())
+
+
+class Throughput(ThroughputMonitor):
+    """Logs samples/s, tokens/s (source + target), FLOPs/s and MFU per device.
+
+    Batches are built to a token budget, so their size varies: FLOPs are counted for every batch from its
+    real lengths (:mod:`torch_handle.flops`) rather than measured once.
+
+    Args:
+        peak_flops: Peak FLOP/s of one device for the run's dtype, e.g. ``989e12`` for an H100/H200 in bf16
+            dense. Lightning looks it up from the device name but does not know every name (H200 among
+            them); without it no MFU is logged there.
+        window_size: Batches averaged over.
+    """
+
+    def __init__(self, peak_flops: float | None = None, window_size: int = 50) -> None:
+        super().__init__(batch_size_fn=lambda batch: batch["src"].shape[0], length_fn=_tokens, window_size=window_size)
+        self.peak_flops = peak_flops
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if self.peak_flops is not None:
+            self.available_flops = self.peak_flops
+            for throughput in self._throughputs.values():
+                throughput.available_flops = self.peak_flops
+
+    @override
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        config = pl_module.config
+        pl_module.flops_per_batch = training_flops(
+            config, _lengths(batch, "src"), _lengths(batch, "tgt", drop_last=True)
+        )
