@@ -39,3 +39,40 @@ def shared_data() -> Path:
     if not path.is_dir():
         pytest.skip(f"shared data directory {path} is absent")
     return path
+
+
+TINY_MODEL_ARGS = [
+    "--model.transformer.d_model=32",
+    "--model.transformer.num_heads=2",
+    "--model.transformer.num_encoder_layers=1",
+    "--model.transformer.num_decoder_layers=1",
+    "--model.transformer.d_ff=64",
+    "--model.transformer.dropout=0.0",
+]
+"""Command-line overrides that make any config's model tiny, for end-to-end runs in seconds."""
+
+
+@pytest.fixture(scope="session")
+def tiny_demo_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run folder with ``checkpoints/last.ckpt`` (and its tokenizer) of a tiny model trained for a few steps
+    on the built-in demo through ``python cli.py fit``; shared by the CLI, module and notebook tests."""
+    from cli import main
+
+    root = tmp_path_factory.mktemp("tiny_demo_run")
+    main(
+        [
+            "fit",
+            f"--config={Path(__file__).resolve().parents[1] / 'configs' / 'demo.yaml'}",
+            f"--trainer.default_root_dir={root}",
+            "--trainer.max_steps=8",
+            "--trainer.limit_val_batches=1",
+            "--trainer.enable_progress_bar=false",
+            "--data.init_args.demo_size=600",
+            "--data.init_args.bpe_vocab_size=300",
+            "--model.num_beams=2",
+            "--model.max_new_tokens=8",
+            "--model.generate_every_n_val_epochs=0",
+            *TINY_MODEL_ARGS,
+        ]
+    )
+    return root

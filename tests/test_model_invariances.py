@@ -137,11 +137,18 @@ def test_padding_never_leaks_through_pooling() -> None:
 # --- decoding ------------------------------------------------------------------------------------------
 
 
+def _next(logits: Tensor) -> Tensor:
+    """Last-position logits with PAD and BOS ruled out, as the searches do: neither is a next token."""
+    logits = logits[..., -1, :].clone()
+    logits[..., [PAD, BOS]] = float("-inf")
+    return logits
+
+
 def _uncached_greedy(model: Transformer, src: Tensor, steps: int) -> Tensor:
     """Argmax over full forward passes, ``pad_id`` after the first EOS, as ``generate`` returns it."""
     tgt = torch.full((src.shape[0], 1), BOS)
     for _ in range(steps):
-        tgt = torch.cat([tgt, model(src, tgt)[:, -1].argmax(dim=-1, keepdim=True)], dim=1)
+        tgt = torch.cat([tgt, _next(model(src, tgt)).argmax(dim=-1, keepdim=True)], dim=1)
     out = tgt[:, 1:]
     after_eos = (out == EOS).long().cumsum(dim=1) - (out == EOS).long() > 0
     return out.masked_fill(after_eos, PAD)
@@ -150,10 +157,12 @@ def _uncached_greedy(model: Transformer, src: Tensor, steps: int) -> Tensor:
 def _sequence_log_prob(model: Transformer, src: Tensor, out: Tensor) -> Tensor:
     """Model log-probability ``(B,)`` of generated rows, up to and including their first EOS."""
     tgt = torch.cat([torch.full((src.shape[0], 1), BOS), out[:, :-1]], dim=1)
-    logp = torch.log_softmax(model(src, tgt), dim=-1).gather(-1, out[..., None])[..., 0]  # (B, L)
+    logits = model(src, tgt)
+    logits[..., [PAD, BOS]] = float("-inf")  # as the searches score
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, out[..., None])[..., 0]  # (B, L)
     is_eos = (out == EOS).long()
     counted = is_eos.cumsum(dim=1) - is_eos == 0  # every position up to the first EOS
-    return (logp * counted).sum(dim=1)
+    return torch.where(counted, logp, 0.0).sum(dim=1)  # PAD after EOS has log p = -inf: leave it out
 
 
 @pytest.mark.parametrize("position", POSITIONS)
@@ -255,8 +264,8 @@ def _reference_beam_search(
 def _next_log_probs(model: Transformer | _ScriptedDecoder, src: Tensor) -> Callable[[list[int]], list[float]]:
     """``seq -> log p(next | src, BOS + seq)`` for one source ``src (S,)``, from scratch every time."""
     if isinstance(model, _ScriptedDecoder):
-        return lambda seq: torch.log_softmax(model.next_logits(int(src[0]), (BOS, *seq)), dim=-1).tolist()
-    return lambda seq: torch.log_softmax(model(src[None], torch.tensor([[BOS, *seq]]))[0, -1], dim=-1).tolist()
+        return lambda seq: torch.log_softmax(_next(model.next_logits(int(src[0]), (BOS, *seq))[None]), -1).tolist()
+    return lambda seq: torch.log_softmax(_next(model(src[None], torch.tensor([[BOS, *seq]])))[0], -1).tolist()
 
 
 @pytest.mark.parametrize("kind", ["transformer", "scripted"])
@@ -294,9 +303,9 @@ def test_beam_search_with_a_beam_per_token_is_exact_and_beats_greedy() -> None:
     src = torch.randint(3, VOCAB, (5, 11))
     src[1, 7:] = PAD
     b = src.shape[0]
-    first = torch.log_softmax(model(src, torch.full((b, 1), BOS))[:, -1], dim=-1)  # (B, V)
+    first = torch.log_softmax(_next(model(src, torch.full((b, 1), BOS))), dim=-1)  # (B, V)
     prefixes = torch.stack([torch.full((VOCAB,), BOS), torch.arange(VOCAB)], dim=1)  # (V, 2): BOS, a
-    second = torch.log_softmax(model(src.repeat_interleave(VOCAB, 0), prefixes.repeat(b, 1))[:, -1], dim=-1)
+    second = torch.log_softmax(_next(model(src.repeat_interleave(VOCAB, 0), prefixes.repeat(b, 1))), dim=-1)
     two_tokens = first[:, :, None] + second.view(b, VOCAB, VOCAB)  # (B, a, b): log p(a) + log p(b | a)
     two_tokens[:, EOS] = float("-inf")  # nothing follows EOS
     best = torch.maximum(two_tokens.flatten(1).max(dim=1).values, first[:, EOS])  # (B,)

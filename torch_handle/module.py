@@ -12,6 +12,7 @@ from torch import Tensor
 from torchmetrics.text import SacreBLEUScore
 from typing_extensions import override
 
+from torch_handle.hierarchical import summarize
 from torch_handle.metrics import Rouge
 from torch_handle.model import Transformer, TransformerConfig
 
@@ -40,6 +41,10 @@ class Seq2SeqModule(L.LightningModule):
         max_new_tokens: Longest generated output.
         generate_every_n_val_epochs: Decode (and compute BLEU/ROUGE) in validation only every n epochs;
             0 never decodes in validation. Test always decodes.
+        lead_words: Summarization ``test`` also scores the Lead baseline, the document's first
+            ``lead_words`` words, as ``test/lead_rouge*``: every ROUGE figure gets a reference beside it.
+        chunk_overlap: Summarization documents longer than ``--data.max_source_tokens`` are summarized
+            hierarchically (see :func:`torch_handle.summarize`) in windows that share this many tokens.
     """
 
     def __init__(
@@ -57,6 +62,8 @@ class Seq2SeqModule(L.LightningModule):
         length_penalty: float = 1.0,
         max_new_tokens: int = 128,
         generate_every_n_val_epochs: int = 1,
+        lead_words: int = 100,
+        chunk_overlap: int = 256,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -64,6 +71,7 @@ class Seq2SeqModule(L.LightningModule):
         self.model = Transformer(config)
         self.config = config
         self.val_metric, self.test_metric = (self._new_metric() for _ in range(2))
+        self.test_lead_metric = Rouge() if task == "summarization" else None
 
     def _new_metric(self) -> SacreBLEUScore | Rouge:
         return SacreBLEUScore(tokenize="13a") if self.hparams.task == "translation" else Rouge()
@@ -112,9 +120,13 @@ class Seq2SeqModule(L.LightningModule):
         self.log(f"{stage}/loss", loss, prog_bar=True, sync_dist=True, batch_size=batch_size)
         self.log(f"{stage}/ppl", nll.exp(), sync_dist=True, batch_size=batch_size)
         if decode:
-            predictions = self.generate_text(batch["src"])
+            predictions = self.decode_batch(batch)
             references = batch["tgt_text"]
             metric.update(predictions, [[r] for r in references] if isinstance(metric, SacreBLEUScore) else references)
+        if stage == "test" and self.test_lead_metric is not None:
+            lead_words = self.hparams.lead_words
+            leads = [" ".join(doc.split()[:lead_words]) for doc in batch["src_text"]]
+            self.test_lead_metric.update(leads, batch["tgt_text"])
 
     @override
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
@@ -126,12 +138,14 @@ class Seq2SeqModule(L.LightningModule):
     def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         self._evaluate(batch, "test", self.test_metric, decode=True)
 
-    def _log_metric(self, stage: str, metric: SacreBLEUScore | Rouge) -> None:
+    def _log_metric(self, stage: str, metric: SacreBLEUScore | Rouge, prefix: str = "") -> None:
         if not metric.update_called:
             return
         value = metric.compute()
         self.log_dict(
-            {f"{stage}/{k}": v for k, v in value.items()} if isinstance(value, dict) else {f"{stage}/bleu": value}
+            {f"{stage}/{prefix}{k}": v for k, v in value.items()}
+            if isinstance(value, dict)
+            else {f"{stage}/{prefix}bleu": value}
         )
         metric.reset()
 
@@ -142,10 +156,38 @@ class Seq2SeqModule(L.LightningModule):
     @override
     def on_test_epoch_end(self) -> None:
         self._log_metric("test", self.test_metric)
+        if self.test_lead_metric is not None:
+            self._log_metric("test", self.test_lead_metric, prefix="lead_")
 
     @override
     def predict_step(self, batch: dict[str, Any], batch_idx: int) -> list[str]:
-        return self.generate_text(batch["src"])
+        return self.decode_batch(batch)
+
+    def decode_batch(self, batch: dict[str, Any]) -> list[str]:
+        """Outputs for a batch; summarization documents cut by the collator are summarized hierarchically."""
+        if self.hparams.task != "summarization":
+            return self.generate_text(batch["src"])
+        limit = self.trainer.datamodule.collator.max_source_tokens
+        long = [len(ids) >= limit for ids in self.tokenizer.encode_batch(batch["src_text"])]
+        out = [""] * len(long)
+        short = [i for i, is_long in enumerate(long) if not is_long]
+        if short:
+            src = batch["src"][short]
+            src = src[:, : int((src != self.config.pad_id).sum(dim=1).max())]  # (b, S) without shared padding
+            for i, text in zip(short, self.generate_text(src), strict=True):
+                out[i] = text
+        for i in (i for i, is_long in enumerate(long) if is_long):
+            out[i] = summarize(
+                self.model,
+                self.tokenizer,
+                batch["src_text"][i],
+                max_source_tokens=limit,
+                overlap=self.hparams.chunk_overlap,
+                max_new_tokens=self.hparams.max_new_tokens,
+                num_beams=self.hparams.num_beams,
+                length_penalty=self.hparams.length_penalty,
+            )
+        return out
 
     def generate_text(self, src: Tensor) -> list[str]:
         """Beam-search ``src (B, S)`` and detokenize."""

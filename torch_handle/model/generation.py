@@ -11,6 +11,13 @@ if TYPE_CHECKING:
     from torch_handle.model.transformer import Transformer
 
 
+def next_token_logits(logits: Tensor, pad_id: int, bos_id: int) -> Tensor:
+    """Last-position logits ``(B, V)`` with padding and BOS ruled out: neither is ever a next token."""
+    logits = logits[:, -1].float()
+    logits[:, [pad_id, bos_id]] = float("-inf")
+    return logits
+
+
 def greedy_search(model: Transformer, src: Tensor, max_new_tokens: int) -> Tensor:
     """Pick the most likely token at every step; stop once every row has produced EOS."""
     c = model.config
@@ -20,7 +27,7 @@ def greedy_search(model: Transformer, src: Tensor, max_new_tokens: int) -> Tenso
     finished = torch.zeros(src.shape[0], dtype=torch.bool, device=src.device)
     out = []
     for _ in range(max_new_tokens):
-        logits = model.decode(token, memory, memory_padding, cache)[:, -1]  # (B, V)
+        logits = next_token_logits(model.decode(token, memory, memory_padding, cache), c.pad_id, c.bos_id)
         token = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
         out.append(token.masked_fill(finished[:, None], c.pad_id))
         finished |= token[:, 0] == c.eos_id
@@ -50,8 +57,8 @@ def beam_search(model: Transformer, src: Tensor, max_new_tokens: int, num_beams:
         finished[row].append((score / len(beam_tokens) ** length_penalty, beam_tokens))
 
     for step in range(max_new_tokens):
-        logits = model.decode(tokens[:, -1:], memory, memory_padding, cache)[:, -1]  # (B*K, V)
-        logp = torch.log_softmax(logits.float(), dim=-1)
+        logits = model.decode(tokens[:, -1:], memory, memory_padding, cache)
+        logp = torch.log_softmax(next_token_logits(logits, c.pad_id, c.bos_id), dim=-1)  # (B*K, V)
         vocab = logp.shape[-1]
         total = (logp.view(b, k, vocab) + scores[..., None]).view(b, k * vocab)
         top_scores, top_ids = total.topk(2 * k, dim=-1)  # (B, 2K)

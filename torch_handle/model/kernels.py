@@ -103,10 +103,23 @@ def _explicit(kernel: Kernel) -> Callable[[Tensor, Tensor, Tensor, MaskSpec, flo
 
 
 @cache
-def _compiled_flex() -> Callable[..., Tensor]:
+def _compiled_flex(device_type: str) -> Callable[..., Tensor]:
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention)
+    # Inductor's CPU flex template fails to build with dynamic shapes (torch 2.13): compile per shape there.
+    return torch.compile(flex_attention, dynamic=False if device_type == "cpu" else None)
+
+
+@cache
+def _compiled_block_mask() -> Callable[..., object]:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return torch.compile(create_block_mask)
+
+
+# Eager ``create_block_mask`` evaluates the mask on the whole Tq x Tk grid; compiled, it works block by
+# block. Compiling costs seconds per new shape, so only large grids (long inputs) take that path.
+_COMPILE_BLOCK_MASK_AT = 2**24
 
 
 def _flex(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, dropout_p: float) -> Tensor:
@@ -143,8 +156,9 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, dropout_p: float) -> 
             return score - slopes[h] * (kv_idx - q_idx - offset).abs()
 
     batch = None if pad is None else q.shape[0]
-    block_mask = create_block_mask(mask_mod, batch, None, q.shape[-2], k.shape[-2], device=q.device)
-    return _compiled_flex()(q, k, v, score_mod=score_mod, block_mask=block_mask)
+    make = _compiled_block_mask() if q.shape[-2] * k.shape[-2] >= _COMPILE_BLOCK_MASK_AT else create_block_mask
+    block_mask = make(mask_mod, batch, None, q.shape[-2], k.shape[-2], device=q.device)
+    return _compiled_flex(q.device.type)(q, k, v, score_mod=score_mod, block_mask=block_mask)
 
 
 def _xformers(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, dropout_p: float) -> Tensor:

@@ -33,6 +33,8 @@ class MaskSpec:
 
 def allowed(spec: MaskSpec, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
     """Position-only part of the mask, ``(..., Tq, Tk)``, True where the query may see the key."""
+    if not spec.causal and spec.window is None:
+        return None  # no position restriction: never build the (Tq, Tk) relative positions for nothing
     rel = k_pos[..., None, :] - q_pos[..., :, None]  # (..., Tq, Tk)
     mask = None
     if spec.causal:

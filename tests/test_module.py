@@ -1,0 +1,145 @@
+"""``Seq2SeqModule``: loss, optimizer groups, learning-rate schedule and checkpoint round trip."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from unittest.mock import Mock
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torch_handle.data import PAD_ID, TranslationDataModule
+from torch_handle.model import TransformerConfig
+from torch_handle.module import Seq2SeqModule
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+VOCAB = 40
+TINY = TransformerConfig(d_model=32, num_heads=2, num_encoder_layers=1, num_decoder_layers=1, d_ff=64, dropout=0.0)
+
+
+def _module(**kwargs: object) -> Seq2SeqModule:
+    return Seq2SeqModule(TINY, vocab_size=VOCAB, **kwargs).eval()
+
+
+def _batch() -> dict[str, torch.Tensor]:
+    """Two examples, the second padded on both sides."""
+    src = torch.tensor([[5, 6, 7, 8, 2], [9, 10, 2, PAD_ID, PAD_ID]])
+    tgt = torch.tensor([[1, 11, 12, 13, 2], [1, 14, 2, PAD_ID, PAD_ID]])
+    return {"src": src, "tgt": tgt}
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.1, 0.3])
+def test_loss_is_torch_cross_entropy_ignoring_padding(eps: float) -> None:
+    module, batch = _module(label_smoothing=eps), _batch()
+    loss, nll, tokens = module._loss(batch)
+    logits = module.model(batch["src"], batch["tgt"][:, :-1]).reshape(-1, VOCAB)
+    labels = batch["tgt"][:, 1:].reshape(-1)
+    expected = F.cross_entropy(logits, labels, ignore_index=PAD_ID, label_smoothing=eps)
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(nll, F.cross_entropy(logits, labels, ignore_index=PAD_ID))
+    assert tokens == (labels != PAD_ID).sum() == 6
+
+
+def test_padding_never_contributes_to_the_loss() -> None:
+    module, batch = _module(), _batch()
+    loss, nll, tokens = module._loss(batch)
+    padded = {key: F.pad(value, (0, 3), value=PAD_ID) for key, value in batch.items()}  # 3 more pad columns
+    torch.testing.assert_close(module._loss(padded), (loss, nll, tokens))
+    single = {key: value[:1, :] for key, value in batch.items()}  # the unpadded example alone
+    single_loss, _, single_tokens = module._loss(single)
+    assert single_tokens == 4
+    # The mean over tokens is the token-weighted mean of the per-example means.
+    other = {key: value[1:, :3] for key, value in batch.items()}
+    other_loss, _, other_tokens = module._loss(other)
+    torch.testing.assert_close(loss, (single_loss * 4 + other_loss * other_tokens) / tokens)
+
+
+def _configure(module: Seq2SeqModule, total_steps: int) -> dict:
+    module.trainer = Mock(estimated_stepping_batches=total_steps)
+    return module.configure_optimizers()
+
+
+def test_no_weight_decay_on_norms_biases_and_embeddings() -> None:
+    module = Seq2SeqModule(
+        TransformerConfig(d_model=32, num_heads=2, num_encoder_layers=1, num_decoder_layers=1, d_ff=64),
+        vocab_size=VOCAB,
+        weight_decay=0.05,
+    )
+    decay, no_decay = _configure(module, 100)["optimizer"].param_groups
+    assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.05, 0.0)
+    names = {id(p): name for name, p in module.named_parameters()}
+    decayed = {names[id(p)] for p in decay["params"]}
+    not_decayed = {names[id(p)] for p in no_decay["params"]}
+    assert decayed | not_decayed == set(names.values()) and not decayed & not_decayed
+    for name in not_decayed:
+        assert name.endswith(".bias") or "norm" in name or "embed" in name, name
+    for name in decayed:
+        assert name.endswith(".weight") and "norm" not in name and "embed" not in name, name
+    assert any("embed" in name for name in not_decayed) and any("linear1.weight" in name for name in decayed)
+
+
+def test_lr_warms_up_linearly_then_decays_to_the_floor() -> None:
+    module = _module(lr=1e-3, warmup_steps=10, min_lr_ratio=0.1)
+    configured = _configure(module, total_steps=100)
+    optimizer, scheduler = configured["optimizer"], configured["lr_scheduler"]["scheduler"]
+    assert configured["lr_scheduler"]["interval"] == "step"
+    lrs = []
+    for _ in range(100):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert lrs[0] == pytest.approx(1e-6)  # lr / 1000
+    assert lrs[5] == pytest.approx(1e-6 + (1e-3 - 1e-6) * 5 / 10)
+    assert lrs[10] == pytest.approx(1e-3) and max(lrs) == pytest.approx(1e-3)
+    assert all(a < b for a, b in zip(lrs[:10], lrs[1:11]))
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
+    assert lrs[55] == pytest.approx(1e-4 + (1e-3 - 1e-4) * 0.5, rel=1e-3)  # cosine midpoint
+    assert lrs[-1] == pytest.approx(1e-4, rel=1e-2)
+
+
+@pytest.fixture(scope="module")
+def trained_checkpoint(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[Path, TranslationDataModule, Seq2SeqModule]:
+    root = tmp_path_factory.mktemp("module_ckpt")
+    datamodule = TranslationDataModule(demo_size=300, bpe_vocab_size=300, max_tokens=1024)
+    module = Seq2SeqModule(TINY, vocab_size=datamodule.vocab_size, warmup_steps=2)
+    trainer = L.Trainer(
+        max_steps=3,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+    )
+    trainer.fit(module, datamodule=datamodule)
+    path = root / "model.ckpt"
+    trainer.save_checkpoint(path)
+    return path, datamodule, module.eval()
+
+
+def test_checkpoint_loads_with_weights_only(
+    trained_checkpoint: tuple[Path, TranslationDataModule, Seq2SeqModule],
+) -> None:
+    path, datamodule, _ = trained_checkpoint
+    checkpoint = torch.load(path, weights_only=True)
+    assert checkpoint["hyper_parameters"]["transformer"] == TINY
+    assert checkpoint["TranslationDataModule"]["tokenizer"] == datamodule.tokenizer.to_str()
+
+
+def test_load_from_checkpoint_gives_identical_logits(
+    trained_checkpoint: tuple[Path, TranslationDataModule, Seq2SeqModule],
+) -> None:
+    path, datamodule, reference = trained_checkpoint
+    loaded = Seq2SeqModule.load_from_checkpoint(path).eval()
+    batch = next(iter(datamodule.val_dataloader()))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            loaded.model(batch["src"], batch["tgt"]), reference.model(batch["src"], batch["tgt"]), rtol=0, atol=0
+        )
+    untrained = Seq2SeqModule(TINY, vocab_size=datamodule.vocab_size).eval()
+    assert not torch.equal(untrained.model.tgt_embed.weight, loaded.model.tgt_embed.weight)
