@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
+from typing import NoReturn
 
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
+from typing_extensions import override
 
 from callbacks.checkpointing import TOKENIZER_FILE, Checkpoint
 from callbacks.prediction_writer import PredictionWriter
 from torch_handle.checkpoints import CheckpointError, check_checkpoint, last_checkpoint
 from torch_handle.data.base import Seq2SeqDataModule
 from torch_handle.errors import DataError
+from torch_handle.export import configure_from_exported, exported_weights, is_exported
 from torch_handle.model import BackendUnavailableError, ConfigError
 from torch_handle.module import Seq2SeqModule
 
@@ -24,6 +28,17 @@ USER_ERRORS = (CheckpointError, ConfigError, DataError, BackendUnavailableError)
 
 def checkpoint_dir(root: str | None) -> str:
     return os.path.join(root or ".", "checkpoints")
+
+
+class OneLineErrorParser(LightningArgumentParser):
+    """Reports a bad option or config key as one ``error: ...`` line, without argparse's usage wall."""
+
+    @override
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        if not self.exit_on_error:  # jsonargparse's inner parsers raise, to be caught and retried
+            super().error(message, ex)
+        sys.stderr.write(f"error: {' '.join(message.split())} (see {self.prog.replace(' [options]', '')} --help)\n")
+        self.exit(2)
 
 
 class TorchHandleCLI(LightningCLI):
@@ -44,17 +59,45 @@ class TorchHandleCLI(LightningCLI):
             }
         )
 
+    @override
+    def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
+        """Also resolves ``--ckpt_path`` (by default the run's last checkpoint) and checks it before Lightning
+        loads it for its hyper-parameters: a bad path is a one-line error, and no model option is repeated."""
+        super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand")
+        if subcommand not in ("validate", "test", "predict") or is_exported(self.config[subcommand].ckpt_path or ""):
+            return
+        config = self.config[subcommand]
+        folder = checkpoint_dir(config.trainer.default_root_dir)
+        ckpt = last_checkpoint(folder) if config.ckpt_path in (None, "last") else check_checkpoint(config.ckpt_path)
+        config.ckpt_path = str(ckpt)
+
     def before_instantiate_classes(self) -> None:
         """Evaluation without ``--ckpt_path`` uses the run's last checkpoint, and its tokenizer."""
         if self.subcommand not in ("validate", "test", "predict"):
             return
         config = self.config[self.subcommand]
-        folder = checkpoint_dir(config.trainer.default_root_dir)
-        ckpt = last_checkpoint(folder) if config.ckpt_path in (None, "last") else check_checkpoint(config.ckpt_path)
-        config.ckpt_path = str(ckpt)
-        tokenizer = ckpt.parent / TOKENIZER_FILE
+        self.exported = config.ckpt_path if is_exported(config.ckpt_path or "") else None
+        if self.exported is not None:  # an exported model: weights are loaded in before_test/before_predict
+            configure_from_exported(config, self.exported)
+            config.ckpt_path = None
+            return
+        tokenizer = Path(config.ckpt_path).parent / TOKENIZER_FILE  # resolved in parse_arguments
         if config.data.init_args.tokenizer_path is None and tokenizer.is_file():
             config.data.init_args.tokenizer_path = str(tokenizer)
+
+    def before_validate(self) -> None:
+        self._load_exported()
+
+    def before_test(self) -> None:
+        self._load_exported()
+
+    def before_predict(self) -> None:
+        self._load_exported()
+
+    def _load_exported(self) -> None:
+        if self.exported is not None:
+            self.model.model.load_state_dict(exported_weights(self.exported), strict=True)
 
 
 def main(args: list[str] | None = None) -> None:
@@ -64,6 +107,7 @@ def main(args: list[str] | None = None) -> None:
             Seq2SeqDataModule,
             subclass_mode_data=True,
             save_config_kwargs={"overwrite": True},
+            parser_class=OneLineErrorParser,
             args=args,
         )
     except USER_ERRORS as err:

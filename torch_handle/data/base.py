@@ -13,6 +13,7 @@ from typing_extensions import override
 from torch_handle.data.batching import Collator, Example, ExampleDataset, TokenBudgetBatchSampler
 from torch_handle.data.tokenizer import Tokenizer
 from torch_handle.errors import DataError
+from torch_handle.resume import ResumableDataLoader, batches_processed
 
 Split = Literal["train", "val", "test", "predict"]
 _STAGE_SPLITS: dict[str, tuple[Split, ...]] = {
@@ -186,14 +187,17 @@ class Seq2SeqDataModule(LightningDataModule, ABC):
             num_replicas=world_size,
             rank=rank,
         )
-        return DataLoader(
-            dataset,
-            batch_sampler=sampler,
-            collate_fn=self.collator,
-            num_workers=self.num_workers,
-            pin_memory=self.pin_memory,
-            persistent_workers=self.num_workers > 0,
-        )
+        options = {
+            "batch_sampler": sampler,
+            "collate_fn": self.collator,
+            "num_workers": self.num_workers,
+            "pin_memory": self.pin_memory,
+            "persistent_workers": self.num_workers > 0,
+        }
+        if split == "train" and self.trainer is not None:  # checkpoints record its exact position mid-epoch
+            trainer = self.trainer
+            return ResumableDataLoader(dataset, processed=lambda: batches_processed(trainer), **options)
+        return DataLoader(dataset, **options)
 
     def _text(self, split: Split) -> TextSplit | None:
         if split not in self._texts:

@@ -1,0 +1,198 @@
+"""Launching ``python cli.py`` runs for multi-process tests, and test-only callbacks they load by name."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN_TIMEOUT = 180  # seconds for one two-process run; a hang fails the test instead of the suite
+
+TINY = [
+    "--model.transformer.d_model", "32",
+    "--model.transformer.num_heads", "2",
+    "--model.transformer.num_encoder_layers", "1",
+    "--model.transformer.num_decoder_layers", "1",
+    "--model.transformer.d_ff", "64",
+    "--model.transformer.dropout", "0",
+    "--model.transformer.max_len", "64",
+    "--model.lr", "0.01",
+    "--model.warmup_steps", "2",
+    "--data.init_args.demo_size", "400",
+    "--data.init_args.bpe_vocab_size", "300",
+    "--data.init_args.max_tokens", "512",
+    "--trainer.limit_val_batches", "0",
+    "--trainer.enable_progress_bar", "false",
+    "--trainer.enable_model_summary", "false",
+    "--trainer.logger", "false",
+    "--trainer.callbacks+=tests.helpers.LossRecorder",
+]  # fmt: skip
+"""A model and data small enough that process start-up, not compute, dominates a run."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env(**extra: str) -> dict[str, str]:
+    """The environment of a run: one thread per process (two processes share two cores), a free port."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port()), **extra}
+
+
+def fit_args(root: Path, *extra: str) -> list[str]:
+    """``cli.py fit`` arguments for a tiny run writing under ``root``."""
+    return [
+        "fit", *TINY,
+        "--trainer.default_root_dir", str(root),
+        *extra,
+    ]  # fmt: skip
+
+
+def cli(args: list[str], timeout: float = RUN_TIMEOUT, **extra_env: str) -> subprocess.CompletedProcess:
+    """Runs ``python cli.py ARGS`` from the repository root; output is captured for the assertion message."""
+    return subprocess.run(
+        [sys.executable, "cli.py", *args],
+        cwd=ROOT,
+        env=env(**extra_env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def check(run: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    """Fails with the run's output tail when it exited non-zero."""
+    assert run.returncode == 0, f"exit {run.returncode}\n{run.stdout[-3000:]}\n{run.stderr[-6000:]}"
+    return run
+
+
+def train_losses(root: Path) -> dict[int, float]:
+    """Global batch index -> training loss, over every rank, as :class:`LossRecorder` wrote them in ``root``."""
+    losses: dict[int, float] = {}
+    for path in root.glob("losses.rank*.txt"):
+        for line in path.read_text().splitlines():
+            index, loss = line.split()
+            losses[int(index)] = float(loss)
+    return dict(sorted(losses.items()))
+
+
+def wait_for(path: Path, process: subprocess.Popen, timeout: float) -> None:
+    """Polls until ``path`` exists; fails if ``process`` ends first or time runs out."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert process.poll() is None, f"run ended (exit {process.returncode}) before {path} appeared"
+        assert time.monotonic() < deadline, f"{path} did not appear within {timeout} s"
+        time.sleep(0.1)
+
+
+class LossRecorder(Callback):
+    """Appends ``GLOBAL_BATCH LOSS`` per training batch to ``{default_root_dir}/losses.rank{R}.txt``.
+
+    Batch ``j`` of rank ``r`` among ``w`` is global batch ``j * w + r``, the index the batch sampler dealt it
+    from, so runs with different world sizes line up batch for batch. Lightning logs only rank 0's loss,
+    and with gradient accumulation only the last micro-batch's, hence this record.
+    """
+
+    @override
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        # Lightning hands back the loss divided by the accumulation factor it backpropagated.
+        loss = outputs["loss"].item() * trainer.accumulate_grad_batches
+        path = Path(trainer.default_root_dir) / f"losses.rank{trainer.global_rank}.txt"
+        with path.open("a") as f:
+            f.write(f"{batch_idx * trainer.world_size + trainer.global_rank} {loss!r}\n")
+
+
+class FailOnRank(Callback):
+    """Raises in one rank at one training step, to test that a failing process ends the whole job.
+
+    Args:
+        rank: The global rank that fails.
+        step: The global step at which it fails.
+    """
+
+    def __init__(self, rank: int = 1, step: int = 1) -> None:
+        self.rank = rank
+        self.step = step
+
+    @override
+    def on_train_batch_start(self, trainer: L.Trainer, *args: object) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            raise RuntimeError(f"injected failure on rank {self.rank} at step {self.step}")
+
+
+class SlowDown(Callback):
+    """Sleeps after each training step from ``after_step`` on, so a test can kill a run mid-epoch.
+
+    Args:
+        after_step: First global step that sleeps.
+        seconds: Sleep per step.
+    """
+
+    def __init__(self, after_step: int = 2, seconds: float = 1.0) -> None:
+        self.after_step = after_step
+        self.seconds = seconds
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        if trainer.global_step >= self.after_step:
+            time.sleep(self.seconds)
+
+
+STEPS = 6  # optimizer steps per run; checkpoints every 2, all kept, so resume tests can start from step 2
+STRATEGY_CONFIGS = {
+    "ddp": "configs/ddp.yaml",
+    "zero1": "configs/zero1.yaml",
+    "zero2": "configs/zero2.yaml",
+    "zero3": "configs/zero3.yaml",
+    "zero3_offload": "configs/zero3_offload.yaml",
+    "fsdp": "configs/fsdp.yaml",
+}
+SINGLE = "single"
+_runs: dict[str, Path] = {}
+
+
+def strategy_args(name: str) -> list[str]:
+    """Arguments selecting a strategy on CPU. The single-process reference accumulates two batches per
+    step: the batch sampler deals batch ``2k`` to rank 0 and ``2k + 1`` to rank 1, exactly the two batches
+    that one process accumulates for step ``k``, and both average the two per-token-mean gradients."""
+    if name == SINGLE:
+        return ["--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.accumulate_grad_batches", "2"]
+    return ["--config", STRATEGY_CONFIGS[name], "--trainer.accelerator", "cpu"]
+
+
+def reference_args(name: str, root: Path, *extra: str) -> list[str]:
+    """The full ``cli.py fit`` command of a strategy's reference run (used again, with extras, to resume)."""
+    return [
+        "fit",
+        *strategy_args(name),
+        *fit_args(root, "--trainer.max_steps", str(STEPS), "--checkpoint.every_n_train_steps", "2")[1:],
+        "--checkpoint.save_top_k", "-1",
+        *extra,
+    ]  # fmt: skip
+
+
+def reference_run(name: str, base: Path) -> Path:
+    """The run folder of strategy ``name``'s uninterrupted reference run, trained once per test session.
+
+    Args:
+        name: ``single`` or a key of :data:`STRATEGY_CONFIGS`.
+        base: A session-wide temporary folder (``tmp_path_factory.getbasetemp()``).
+    """
+    if name not in _runs:
+        root = base / f"reference-{name}"
+        check(cli(reference_args(name, root)))
+        _runs[name] = root
+    return _runs[name]

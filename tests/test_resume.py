@@ -1,0 +1,102 @@
+"""Resuming mid-epoch, from a checkpoint or after SIGKILL, continues exactly as an uninterrupted run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import (
+    ROOT,
+    RUN_TIMEOUT,
+    STEPS,
+    STRATEGY_CONFIGS,
+    check,
+    cli,
+    env,
+    reference_args,
+    reference_run,
+    train_losses,
+    wait_for,
+)
+from torch_handle.export import read_checkpoint
+from torch_handle.strategies import DeepSpeedStrategy
+
+RESUME_STEP = 2  # of 15 batches per rank and epoch: mid-epoch
+TOLERANCE = 1e-6  # a resumed run repeats the same float operations; only the restored state could differ
+
+
+def assert_same_run(resumed: Path, reference: Path, first_step: int) -> None:
+    """Losses from optimizer step ``first_step`` on and the final weights of two runs agree."""
+    expected, actual = train_losses(reference), train_losses(resumed)
+    assert list(actual) == list(range(2 * first_step, 2 * STEPS))  # two ranks, a batch each per step
+    for index, loss in actual.items():
+        assert loss == pytest.approx(expected[index], abs=TOLERANCE), f"batch {index}"
+    want, _, _ = read_checkpoint(reference / "checkpoints" / "last.ckpt")
+    got, _, _ = read_checkpoint(resumed / "checkpoints" / "last.ckpt")
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=TOLERANCE, rtol=0, msg=name)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.getbasetemp()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", list(STRATEGY_CONFIGS))
+def test_resume_mid_epoch_matches_the_uninterrupted_run(strategy: str, base: Path, tmp_path: Path) -> None:
+    reference = reference_run(strategy, base)
+    checkpoint = reference / "checkpoints" / f"epoch=0-step={RESUME_STEP}.ckpt"
+    check(cli(reference_args(strategy, tmp_path, "--ckpt_path", str(checkpoint))))
+    assert_same_run(tmp_path, reference, RESUME_STEP)
+
+
+@pytest.mark.slow
+def test_sigkill_then_ckpt_path_last_ends_with_the_uninterrupted_weights(base: Path, tmp_path: Path) -> None:
+    # SlowDown makes every step after step 2 last a second, so the kill lands mid-epoch, after a checkpoint.
+    command = [
+        sys.executable,
+        "cli.py",
+        *reference_args("ddp", tmp_path, "--trainer.callbacks+=tests.helpers.SlowDown"),
+    ]
+    with (tmp_path / "killed.log").open("w") as log:
+        run = subprocess.Popen(command, cwd=ROOT, env=env(), start_new_session=True, stdout=log, stderr=log)
+    try:
+        wait_for(tmp_path / "checkpoints" / "last.ckpt", run, timeout=RUN_TIMEOUT)
+    finally:
+        os.killpg(run.pid, signal.SIGKILL)  # both ranks: rank 1 is a child of rank 0
+        run.wait(timeout=30)
+    assert run.returncode == -signal.SIGKILL
+    resumed = subprocess.run(
+        [*command, "--ckpt_path", "last"], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=RUN_TIMEOUT
+    )
+    check(resumed)
+    want, _, _ = read_checkpoint(reference_run("ddp", base) / "checkpoints" / "last.ckpt")
+    got, _, _ = read_checkpoint(tmp_path / "checkpoints" / "last.ckpt")
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=TOLERANCE, rtol=0, msg=name)
+
+
+def test_an_interrupted_deepspeed_save_leaves_no_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSpeed writes a folder file by file; a save that dies half-way must not look like a checkpoint."""
+
+    def write_half_then_die(self: DeepSpeedStrategy, checkpoint: dict, filepath: Path, *args: object) -> None:
+        Path(filepath, "checkpoint").mkdir(parents=True)
+        Path(filepath, "latest").write_text("checkpoint")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(DeepSpeedStrategy.__mro__[1], "save_checkpoint", write_half_then_die)
+    strategy = DeepSpeedStrategy(stage=2)
+    monkeypatch.setattr(strategy, "broadcast", lambda obj, src=0: obj)
+    monkeypatch.setattr(strategy, "barrier", lambda name=None: None)
+    final = tmp_path / "last.ckpt"
+    with pytest.raises(KeyboardInterrupt):
+        strategy.save_checkpoint({}, final)
+    assert not final.exists()
+    assert [p.name for p in tmp_path.iterdir()] == [".last.ckpt.partial"]

@@ -1,0 +1,190 @@
+"""Any training checkpoint to one portable safetensors file: ``python -m torch_handle.export CKPT OUTPUT``.
+
+Accepts a Lightning ``.ckpt`` file (single device, DDP), a DeepSpeed ZeRO-1/2/3 checkpoint folder or an
+FSDP sharded checkpoint folder. The output holds the Transformer's weights in float32 and, in the
+safetensors metadata, the model config and the tokenizer as JSON, so that :func:`load_exported` rebuilds a
+model that decodes exactly as it was trained, on one CPU, with no Lightning, DeepSpeed or process group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from callbacks.checkpointing import CONFIG_FILE, TOKENIZER_FILE
+from torch_handle.checkpoints import CheckpointError, check_checkpoint, is_deepspeed_checkpoint
+from torch_handle.data.tokenizer import Tokenizer
+from torch_handle.model import Transformer, TransformerConfig
+
+log = logging.getLogger(__name__)
+
+FORMAT = "torch-handle/1"
+MODEL_PREFIX = "model."  # the Transformer's attribute on Seq2SeqModule
+
+
+def is_exported(path: str | Path) -> bool:
+    """Whether ``path`` names an exported model (by its ``.safetensors`` suffix)."""
+    return str(path).endswith(".safetensors")
+
+
+def _lightning_state(path: Path) -> dict[str, Any]:
+    """The LightningModule's full-precision ``state_dict`` and Lightning's checkpoint fields, per layout."""
+    if path.is_file():
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        return {**checkpoint, "state_dict": checkpoint["state_dict"]}
+    if is_deepspeed_checkpoint(path):
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        tag = (path / "latest").read_text().strip()
+        client = torch.load(next((path / tag).glob("*model_states.pt")), map_location="cpu", weights_only=False)
+        return {**client, "state_dict": get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag)}
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(path, Path(tmp) / "full.pt")
+        checkpoint = torch.load(Path(tmp) / "full.pt", map_location="cpu", weights_only=False)
+    meta = path / "meta.pt"  # Lightning's FSDP strategy keeps the non-tensor fields beside the shards
+    extra = torch.load(meta, map_location="cpu", weights_only=False) if meta.is_file() else {}
+    return {**extra, **checkpoint, "state_dict": checkpoint.get("model", checkpoint.get("state_dict", {}))}
+
+
+def _config_and_tokenizer(path: Path, state: dict[str, Any]) -> tuple[TransformerConfig, str]:
+    """The model config and tokenizer JSON: from the checkpoint, else from the files the checkpoint callback
+    writes beside it (``transformer.json``, ``tokenizer.json``)."""
+    hparams = state.get("hyper_parameters", {})
+    if "transformer" in hparams:
+        transformer = hparams["transformer"]  # a TransformerConfig, or its fields when built by the CLI
+        fields = transformer.to_dict() if isinstance(transformer, TransformerConfig) else dict(transformer)
+        vocab = hparams["vocab_size"]
+        config = TransformerConfig(**{**fields, "src_vocab_size": vocab, "tgt_vocab_size": vocab})
+    elif (path.parent / CONFIG_FILE).is_file():
+        config = TransformerConfig(**json.loads((path.parent / CONFIG_FILE).read_text()))
+    else:
+        raise CheckpointError(f"{path} holds no model config and has no {CONFIG_FILE} beside it")
+    tokenizers = [v["tokenizer"] for v in state.values() if isinstance(v, dict) and "tokenizer" in v]
+    if tokenizers:
+        return config, tokenizers[0]
+    if (path.parent / TOKENIZER_FILE).is_file():
+        return config, (path.parent / TOKENIZER_FILE).read_text()
+    raise CheckpointError(f"{path} holds no tokenizer and has no {TOKENIZER_FILE} beside it")
+
+
+def read_checkpoint(checkpoint: str | Path) -> tuple[dict[str, Tensor], TransformerConfig, str]:
+    """The Transformer's float32 weights, its config and the tokenizer JSON of any training checkpoint.
+
+    Args:
+        checkpoint: A ``.ckpt`` file, a DeepSpeed checkpoint folder or an FSDP sharded checkpoint folder.
+    """
+    path = check_checkpoint(checkpoint)
+    state = _lightning_state(path)
+    config, tokenizer = _config_and_tokenizer(path, state)
+    weights = {
+        k.removeprefix(MODEL_PREFIX): v.detach().float().contiguous().clone()  # clone: tied weights share storage
+        for k, v in state["state_dict"].items()
+        if k.startswith(MODEL_PREFIX)
+    }
+    Transformer(config).load_state_dict(weights, strict=True)  # fails here, not at load time, on a mismatch
+    return weights, config, tokenizer
+
+
+def export(checkpoint: str | Path, output: str | Path) -> Path:
+    """Writes the model of ``checkpoint`` to the safetensors file ``output``.
+
+    Args:
+        checkpoint: A ``.ckpt`` file, a DeepSpeed checkpoint folder or an FSDP sharded checkpoint folder.
+        output: The file to write; by convention ``*.safetensors``.
+    """
+    weights, config, tokenizer = read_checkpoint(checkpoint)
+    path = Path(checkpoint)
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    metadata = {"format": FORMAT, "transformer": json.dumps(config.to_dict()), "tokenizer": tokenizer}
+    save_file(weights, output, metadata=metadata)
+    log.info("exported %d tensors from %s to %s", len(weights), path, output)
+    return output
+
+
+def exported_metadata(path: str | Path) -> tuple[TransformerConfig, Tokenizer]:
+    """The model config and tokenizer stored in an exported file, without reading its weights.
+
+    Args:
+        path: A file written by :func:`export`.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"exported model {path} does not exist: run python -m torch_handle.export first")
+    try:
+        with safe_open(path, framework="pt") as f:
+            metadata = f.metadata() or {}
+    except Exception as err:  # safetensors raises its own error types for a non-safetensors file
+        raise CheckpointError(f"{path} is not a safetensors file: {err}") from err
+    if metadata.get("format") != FORMAT:
+        raise CheckpointError(f"{path} was not written by torch_handle.export (no {FORMAT} metadata)")
+    return TransformerConfig(**json.loads(metadata["transformer"])), Tokenizer.from_str(metadata["tokenizer"])
+
+
+def exported_weights(path: str | Path) -> dict[str, Tensor]:
+    """The Transformer's ``state_dict`` stored in an exported file.
+
+    Args:
+        path: A file written by :func:`export`.
+    """
+    return load_file(Path(path), device="cpu")
+
+
+def load_exported(path: str | Path) -> tuple[Transformer, Tokenizer]:
+    """The exported Transformer (in eval mode, on CPU) and its tokenizer, e.g. for a notebook.
+
+    Args:
+        path: A file written by :func:`export`.
+    """
+    config, tokenizer = exported_metadata(path)
+    model = Transformer(config)
+    model.load_state_dict(exported_weights(path), strict=True)
+    return model.eval(), tokenizer
+
+
+def configure_from_exported(config: Any, path: str | Path) -> None:
+    """Points a parsed ``cli.py test/predict`` config at an exported model: its model config, and its
+    tokenizer (written to a temporary file, as the data module reads tokenizers from files).
+
+    Args:
+        config: The subcommand's jsonargparse namespace, before the classes are instantiated.
+        path: A file written by :func:`export`; the CLI loads its weights into the model.
+    """
+    transformer, tokenizer = exported_metadata(path)
+    for name, value in transformer.to_dict().items():
+        if name not in ("src_vocab_size", "tgt_vocab_size"):  # the CLI links them from the tokenizer
+            config.model.transformer[name] = value
+    fd, tokenizer_file = tempfile.mkstemp(prefix="torch-handle-tokenizer-", suffix=".json")
+    os.close(fd)
+    atexit.register(os.unlink, tokenizer_file)
+    tokenizer.save(tokenizer_file)
+    config.data.init_args.tokenizer_path = tokenizer_file
+
+
+def main(args: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint", help="a .ckpt file, a DeepSpeed checkpoint folder or an FSDP sharded folder")
+    parser.add_argument("output", help="the safetensors file to write")
+    options = parser.parse_args(args)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        export(options.checkpoint, options.output)
+    except CheckpointError as err:
+        raise SystemExit(f"error: {err}") from err
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""Exact mid-epoch resume of the token-budget training loader.
+
+Lightning saves and restores a training DataLoader that has ``state_dict``/``load_state_dict``
+(``fit_loop.py``'s ``_combined_loader``), but counting on the loader's own side over-counts: Lightning's
+fetcher holds one batch ahead and DataLoader workers prefetch more, so the batch sampler has handed out
+more batches than were trained on when the checkpoint is written. The count saved here is Lightning's
+own: batches the training loop has processed in the current epoch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning as L
+from torch.utils.data import DataLoader
+
+from torch_handle.data.batching import TokenBudgetBatchSampler
+
+
+def batches_processed(trainer: L.Trainer) -> int:
+    """Training batches run to the end of their step in the current epoch (``on_train_batch_end`` included).
+
+    Args:
+        trainer: The fitting trainer.
+    """
+    return trainer.fit_loop.epoch_loop.batch_progress.current.processed
+
+
+class ResumableDataLoader(DataLoader):
+    """A DataLoader over a :class:`TokenBudgetBatchSampler` whose checkpointed position is exact.
+
+    Args:
+        *args: DataLoader's arguments; ``batch_sampler`` must be a :class:`TokenBudgetBatchSampler`.
+        processed: Returns how many batches of the current epoch training has consumed; usually
+            ``lambda: batches_processed(trainer)``.
+        **kwargs: DataLoader's keyword arguments.
+    """
+
+    def __init__(self, *args: Any, processed: Callable[[], int], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not isinstance(self.batch_sampler, TokenBudgetBatchSampler):
+            raise TypeError(f"ResumableDataLoader needs a TokenBudgetBatchSampler, got {type(self.batch_sampler)}")
+        self._processed = processed
+
+    def state_dict(self) -> dict[str, int]:
+        """``{"epoch", "batches_done"}`` with the batches training consumed, not those prefetched."""
+        return {"epoch": self.batch_sampler.epoch, "batches_done": self._processed()}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        """The next iteration of the saved epoch skips the batches already trained on.
+
+        Args:
+            state_dict: As returned by :meth:`state_dict`.
+        """
+        self.batch_sampler.load_state_dict(state_dict)

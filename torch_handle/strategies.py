@@ -1,0 +1,139 @@
+"""DeepSpeed and FSDP on CPU: Lightning's strategies with their CUDA-only guards lifted, and atomic saves.
+
+Lightning refuses any accelerator but CUDA for DeepSpeed and FSDP, yet DeepSpeed ships a CPU accelerator
+that runs ZeRO 1/2/3 over gloo, and PyTorch's FSDP shards over gloo too. Running them lets CI exercise
+the real partitioning, checkpoint layouts and export path on two CPU processes. On CUDA every step is
+Lightning's own.
+
+DeepSpeed also writes a checkpoint folder file by file, so a save killed half-way would leave a folder
+that looks like a checkpoint; here every save goes to a hidden sibling folder and is renamed into place.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.accelerators import CPUAccelerator
+from lightning.pytorch.strategies import DeepSpeedStrategy as _LightningDeepSpeedStrategy
+from lightning.pytorch.strategies import FSDPStrategy as _LightningFSDPStrategy
+from lightning.pytorch.strategies.ddp import DDPStrategy
+from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.nn import Module
+from typing_extensions import override
+
+
+def use_deepspeed_cpu_accelerator() -> None:
+    """Points DeepSpeed at its CPU accelerator.
+
+    DeepSpeed picks its accelerator once, from ``DS_ACCELERATOR`` or by probing for CUDA, and caches it; the
+    variable covers processes that import DeepSpeed later, and ``set_accelerator`` replaces a choice already
+    made in this process (on a machine with a GPU that was asked to train on CPU).
+    """
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    from deepspeed.accelerator import get_accelerator, set_accelerator
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    if get_accelerator().device_name() != "cpu":
+        set_accelerator(CPU_Accelerator())
+
+
+class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
+    """Lightning's ``DeepSpeedStrategy`` that also runs on ``accelerator="cpu"`` (DeepSpeed's CPU accelerator
+    and gloo), and never leaves a half-written checkpoint folder that looks valid.
+
+    Takes the same arguments as Lightning's (``stage``, ``offload_optimizer``, ``offload_parameters``, ...).
+    """
+
+    @property
+    def _on_cpu(self) -> bool:
+        return isinstance(self.accelerator, CPUAccelerator)
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        """On CPU, ``cpu:LOCAL_RANK``: Lightning hands ``root_device.index`` to DeepSpeed as the device rank,
+        which must be a number (tensors on ``cpu:1`` are plain CPU tensors)."""
+        device = super().root_device
+        return torch.device("cpu", self.local_rank) if device.type == "cpu" else device
+
+    @override
+    def setup_environment(self) -> None:
+        if not self._on_cpu:
+            super().setup_environment()
+            return
+        use_deepspeed_cpu_accelerator()
+        # With offloading, DeepSpeed refuses a client optimizer (the module's AdamW) unless told otherwise: the
+        # check spares GPU runs a slow CPU optimizer step, but on CPU every step is a CPU step.
+        self.config.setdefault("zero_force_ds_cpu_optimizer", False)
+        # Skip the parent's CUDA check; DDPStrategy's setup calls our setup_distributed.
+        DDPStrategy.setup_environment(self)
+
+    @override
+    def setup_distributed(self) -> None:
+        if not self._on_cpu:
+            super().setup_distributed()
+            return
+        # CPU devices have no index, so the parent's check that device indices match local ranks cannot hold.
+        reset_seed()
+        self.set_world_ranks()
+        self._init_deepspeed_distributed()
+
+    def _auto_select_batch_size(self) -> int:
+        """DeepSpeed's micro batch size, used only in its throughput logs: token-budget batches have no fixed
+        size (Lightning's version reads ``batch_sampler.batch_size`` and fails on them)."""
+        return getattr(self.lightning_module.trainer.train_dataloader, "batch_size", None) or 1
+
+    @override
+    def save_checkpoint(self, checkpoint: dict, filepath: _PATH, storage_options: Any | None = None) -> None:
+        """Saves into ``.NAME.partial`` beside ``filepath``, then renames it into place once all ranks wrote.
+
+        Args:
+            checkpoint: Lightning's checkpoint dictionary (DeepSpeed saves the weights and optimizer itself).
+            filepath: The checkpoint folder to create or replace.
+            storage_options: Unsupported, as in Lightning's DeepSpeed strategy.
+        """
+        final = Path(self.broadcast(str(filepath)))
+        partial = final.with_name(f".{final.name}.partial")
+        if self.is_global_zero:
+            shutil.rmtree(partial, ignore_errors=True)
+        self.barrier("deepspeed_save_start")
+        super().save_checkpoint(checkpoint, partial, storage_options)
+        self.barrier("deepspeed_save_written")
+        if self.is_global_zero:
+            stale = final.with_name(f".{final.name}.stale")
+            shutil.rmtree(stale, ignore_errors=True)
+            if final.exists():
+                os.replace(final, stale)
+            os.replace(partial, final)
+            shutil.rmtree(stale, ignore_errors=True)
+        self.barrier("deepspeed_save_done")
+
+
+class FSDPStrategy(_LightningFSDPStrategy):
+    """Lightning's ``FSDPStrategy`` that also runs on ``accelerator="cpu"`` (gloo); on CUDA it is unchanged.
+
+    PyTorch's FSDP shards and trains over gloo on CPU when told its device is the CPU, but Lightning rejects
+    ``FSDPStrategy`` without a GPU (``_check_strategy_and_fallback`` tests the exact type, which a subclass
+    passes) and hands FSDP ``device_id=root_device.index``, None on CPU, from which FSDP concludes "FSDP
+    needs a non-CPU accelerator device". So on CPU the model is wrapped here, with ``device_id=cpu``, and
+    Lightning's setup continues with the wrapped model.
+    """
+
+    @override
+    def _setup_model(self, model: Module) -> Module:
+        if self.root_device.type == "cpu" and not isinstance(model, FullyShardedDataParallel):
+            model = FullyShardedDataParallel(
+                module=model,
+                cpu_offload=self.cpu_offload,
+                mixed_precision=self.mixed_precision_config,
+                sharding_strategy=self.sharding_strategy,
+                device_id=torch.device("cpu"),
+                **self.kwargs,
+            )
+        return super()._setup_model(model)
