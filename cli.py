@@ -18,12 +18,12 @@ from callbacks.checkpointing import TOKENIZER_FILE, Checkpoint
 from callbacks.prediction_writer import PredictionWriter
 from torch_handle.checkpoints import CheckpointError, check_checkpoint, last_checkpoint
 from torch_handle.data.base import Seq2SeqDataModule
-from torch_handle.errors import DataError
+from torch_handle.errors import DataError, SetupError
 from torch_handle.export import configure_from_exported, exported_weights, is_exported
 from torch_handle.model import BackendUnavailableError, ConfigError
 from torch_handle.module import Seq2SeqModule
 
-USER_ERRORS = (CheckpointError, ConfigError, DataError, BackendUnavailableError)
+USER_ERRORS = (CheckpointError, ConfigError, DataError, SetupError, BackendUnavailableError)
 
 
 def checkpoint_dir(root: str | None) -> str:

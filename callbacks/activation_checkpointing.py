@@ -35,7 +35,9 @@ class ActivationCheckpointing(Callback):
     It uses ``torch.utils.checkpoint(use_reentrant=False)``, which works under DDP, DeepSpeed and FSDP
     alike. The first training step runs without checkpointing and the second with it; the bytes autograd
     saved in each are logged as ``activation_checkpointing/saved_mb`` (per step, per process).
-    Checkpointing does not change the numbers, only when they are computed.
+    Checkpointing does not change the numbers, only when they are computed. A model whose config already
+    turns checkpointing on (e.g. ``summarization_32k.yaml``, which may not fit without it) is never run
+    without it, so nothing is measured there.
     """
 
     def __init__(self) -> None:
@@ -43,6 +45,11 @@ class ActivationCheckpointing(Callback):
         self._phase = "without"  # then "with", then "done"
         self._counter: _SavedBytes | None = None
         self._without = 0
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if pl_module.model.activation_checkpointing:
+            self._phase = "done"
 
     @override
     def on_train_batch_start(

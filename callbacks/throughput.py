@@ -9,7 +9,7 @@ from lightning.pytorch.callbacks import ThroughputMonitor
 from typing_extensions import override
 
 from torch_handle.data.tokenizer import PAD_ID
-from torch_handle.flops import training_flops
+from torch_handle.flops import forward_flops, training_flops
 
 
 def _lengths(batch: dict[str, Any], key: str, drop_last: bool = False) -> list[int]:
@@ -50,7 +50,14 @@ class Throughput(ThroughputMonitor):
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        config = pl_module.config
         pl_module.flops_per_batch = training_flops(
-            config, _lengths(batch, "src"), _lengths(batch, "tgt", drop_last=True)
+            pl_module.config, _lengths(batch, "src"), _lengths(batch, "tgt", drop_last=True)
+        )
+
+    @override
+    def on_validation_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        pl_module.flops_per_batch = forward_flops(
+            pl_module.config, _lengths(batch, "src"), _lengths(batch, "tgt", drop_last=True)
         )

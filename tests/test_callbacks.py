@@ -61,7 +61,7 @@ def test_local_attention_flops_grow_linearly() -> None:
 
 def _fit(tmp_path: Path, callbacks: list[L.Callback], steps: int) -> Path:
     data = TranslationDataModule(bpe_vocab_size=300, demo_size=600, max_tokens=512)
-    module = Seq2SeqModule(transformer=TINY, vocab_size=data.vocab_size, warmup_steps=2)
+    module = Seq2SeqModule(transformer=TINY, vocab_size=data.vocab_size, warmup_steps=2, max_new_tokens=32)
     logger = CSVLogger(tmp_path)
     trainer = L.Trainer(
         accelerator="cpu",

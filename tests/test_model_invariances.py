@@ -381,3 +381,12 @@ def test_rope_runs_past_max_len() -> None:
     model = _model(position="rope", max_len=16)
     long = torch.randint(3, VOCAB, (2, 40))
     assert model(long, long).shape == (2, 40, VOCAB)
+
+
+def test_rope_stays_exact_when_the_model_is_cast_to_bf16() -> None:
+    # bf16 cannot hold 257: positions (or inverse frequencies) that follow ``model.to(bfloat16)`` would merge
+    # neighbouring positions at long context.
+    model = _model(position="rope").to(torch.bfloat16)
+    cos, sin = model._rope(256, 2, torch.device("cpu"))
+    assert cos.dtype == torch.float32
+    assert not torch.equal(cos[0], cos[1]) and not torch.equal(sin[0], sin[1])

@@ -7,3 +7,7 @@ class DataError(ValueError):
     The message is one line that names the file (and line) at fault and says how to fix it; the CLI
     prints ``str(err)`` and nothing else, so it must stand on its own.
     """
+
+
+class SetupError(ValueError):
+    """A trainer setting this machine cannot run (a precision, a device); the message names the fix."""

@@ -14,7 +14,7 @@ from typing_extensions import override
 
 from torch_handle.hierarchical import summarize
 from torch_handle.metrics import Rouge
-from torch_handle.model import Transformer, TransformerConfig
+from torch_handle.model import ConfigError, Transformer, TransformerConfig
 
 # Checkpoints keep the config as a dataclass; let ``torch.load(weights_only=True)`` accept it.
 torch.serialization.add_safe_globals([TransformerConfig])
@@ -68,6 +68,11 @@ class Seq2SeqModule(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         config = dataclasses.replace(transformer, src_vocab_size=vocab_size, tgt_vocab_size=vocab_size)
+        if config.position in ("sinusoidal", "learned") and max_new_tokens + 1 > config.max_len:
+            raise ConfigError(
+                f"max_new_tokens={max_new_tokens} does not fit max_len={config.max_len} of position="
+                f"{config.position!r}: lower max_new_tokens or raise transformer.max_len"
+            )
         self.model = Transformer(config)
         self.config = config
         self.val_metric, self.test_metric = (self._new_metric() for _ in range(2))
@@ -198,10 +203,13 @@ class Seq2SeqModule(L.LightningModule):
 
     @override
     def configure_optimizers(self) -> Any:
-        decay, no_decay = [], []
-        for name, param in self.named_parameters():
-            if param.requires_grad:
-                (decay if param.dim() >= 2 and "embed" not in name else no_decay).append(param)
+        # Decay the matrices of linear layers only; chosen by module, not by ``dim()``, because FSDP hands this
+        # hook flattened 1-D views. Embeddings (also when tied to the output layer), norms and biases keep theirs.
+        embeddings = {id(m.weight) for m in self.model.modules() if isinstance(m, torch.nn.Embedding)}
+        matrices = {id(m.weight) for m in self.model.modules() if isinstance(m, torch.nn.Linear)} - embeddings
+        params = [p for p in self.parameters() if p.requires_grad]
+        decay = [p for p in params if id(p) in matrices]
+        no_decay = [p for p in params if id(p) not in matrices]
         optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=self.hparams.lr,

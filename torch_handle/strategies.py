@@ -27,6 +27,8 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.nn import Module
 from typing_extensions import override
 
+from torch_handle.errors import SetupError
+
 
 def use_deepspeed_cpu_accelerator() -> None:
     """Points DeepSpeed at its CPU accelerator.
@@ -64,15 +66,34 @@ class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
 
     @override
     def setup_environment(self) -> None:
+        # With offload_optimizer, DeepSpeed refuses a client optimizer (the module's torch AdamW) unless told
+        # otherwise, to steer users to its vectorised DeepSpeedCPUAdam. The module owns its optimizer and its
+        # LR scheduler is bound to it, so the strategy keeps AdamW on every device: on CPU every step is a CPU
+        # step anyway; on GPU the offloaded step runs torch's AdamW on the CPU, which is correct but slower than
+        # DeepSpeedCPUAdam. A DeepSpeed config that sets the key wins.
+        self.config.setdefault("zero_force_ds_cpu_optimizer", False)
         if not self._on_cpu:
             super().setup_environment()
             return
         use_deepspeed_cpu_accelerator()
-        # With offloading, DeepSpeed refuses a client optimizer (the module's AdamW) unless told otherwise: the
-        # check spares GPU runs a slow CPU optimizer step, but on CPU every step is a CPU step.
-        self.config.setdefault("zero_force_ds_cpu_optimizer", False)
         # Skip the parent's CUDA check; DDPStrategy's setup calls our setup_distributed.
         DDPStrategy.setup_environment(self)
+
+    @override
+    def _configure_launcher(self) -> None:
+        """Refuses fp16 on a CPU without fp16 kernels in the launching process, as one line: DeepSpeed's CPU
+        accelerator would refuse it in every rank after start-up, inside a traceback. (Lightning's own plugin
+        turns ``16-mixed`` on CPU into ``bf16-mixed`` with a warning; DeepSpeed's does not.)"""
+        if self._on_cpu and self.precision_plugin.precision in ("16-mixed", "16-true"):
+            use_deepspeed_cpu_accelerator()
+            from deepspeed.accelerator import get_accelerator
+
+            if not get_accelerator().is_fp16_supported():
+                raise SetupError(
+                    f"trainer.precision={self.precision_plugin.precision}: DeepSpeed has no fp16 kernels on this "
+                    "CPU; use bf16-mixed or 32-true"
+                )
+        super()._configure_launcher()
 
     @override
     def setup_distributed(self) -> None:

@@ -54,9 +54,6 @@ class Transformer(nn.Module):
             self.tgt_pos = nn.Embedding(config.max_len, d)
         if config.position == "sinusoidal":
             self.register_buffer("pe", sinusoidal_table(config.max_len, d), persistent=False)
-        if config.position == "rope":
-            inv_freq = rope_inv_freq(config.head_dim, config.rope_base, config.rope_scaling, config.rope_scaling_factor)
-            self.register_buffer("inv_freq", inv_freq, persistent=False)
         if config.position == "alibi":
             self.register_buffer("slopes", alibi_slopes(config.num_heads), persistent=False)
         self.dropout = nn.Dropout(config.dropout)
@@ -96,8 +93,12 @@ class Transformer(nn.Module):
     def _rope(self, offset: int, length: int, device: torch.device) -> tuple[Tensor, Tensor] | None:
         if self.config.position != "rope":
             return None
+        c = self.config
+        # Recomputed in fp32 on every call (head_dim / 2 numbers): a buffer would follow ``model.to(bfloat16)``,
+        # and bf16 cannot even represent position 257.
+        inv_freq = rope_inv_freq(c.head_dim, c.rope_base, c.rope_scaling, c.rope_scaling_factor).to(device)
         positions = torch.arange(offset, offset + length, device=device)
-        return rope_angles(positions, self.inv_freq, self.config.rope_scaling, self.config.rope_scaling_factor)
+        return rope_angles(positions, inv_freq, c.rope_scaling, c.rope_scaling_factor)
 
     def _run(self, layer: nn.Module, *args: object) -> Tensor:
         if self.activation_checkpointing and self.training and torch.is_grad_enabled():

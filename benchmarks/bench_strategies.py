@@ -1,0 +1,383 @@
+"""DDP, DeepSpeed ZeRO-1/2/3 and FSDP on two CPU processes: step time, peak memory and model-state bytes.
+
+Each strategy trains the same ~30M-parameter model on the built-in demo data through ``python cli.py fit
+--config configs/STRATEGY.yaml`` (two processes, gloo, one intra-op thread each), with :class:`StrategyProbe`
+added as a callback. In every rank the probe records
+
+- the wall and CPU time of each training step (``on_train_batch_start`` to ``on_train_batch_end``: forward,
+  backward, gradient communication and the optimizer step);
+- the rank's model-state bytes just before the second optimizer step (``on_before_optimizer_step``), when
+  the gradients of that step and the optimizer state of the first both exist: the bytes of the distinct
+  storages of the parameters, their gradients, the optimizer's ``exp_avg``/``exp_avg_sq`` and every other
+  tensor the strategy keeps for them (DeepSpeed's fp32 master partition and flat gradient partitions, FSDP's
+  flat parameters), and, as a cross-check, of every tensor alive in the process;
+- the rank's resident high-water mark (``VmHWM``) at the end of training,
+
+and writes them to ``probe.rank{R}.json`` in the run folder. The parent collects the files and rewrites the
+``bench_strategies`` section of ``RESULTS.md``.
+
+Usage::
+
+    python benchmarks/bench_strategies.py                    # every strategy, writes RESULTS.md
+    python benchmarks/bench_strategies.py --case zero2 --no-write
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import common
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+log = logging.getLogger("bench_strategies")
+
+ROOT = Path(__file__).resolve().parents[1]
+# case -> (config, extra arguments). Lightning's DeepSpeedStrategy preallocates a ZeRO-3 reduce bucket of
+# reduce_bucket_size (2e8) elements, 763 MiB in fp32, more than this model's whole state: the last case
+# shows the state without it.
+CASES = {
+    "ddp": ("ddp", []),
+    "zero1": ("zero1", []),
+    "zero2": ("zero2", []),
+    "zero3": ("zero3", []),
+    "zero3, bucket 1e7": ("zero3", ["--trainer.strategy.init_args.reduce_bucket_size", "10000000"]),
+    "fsdp": ("fsdp", []),
+}
+WORLD = 2
+MODEL = {"d_model": 512, "num_heads": 8, "num_encoder_layers": 4, "num_decoder_layers": 4, "d_ff": 2048}
+# fp32 bytes per parameter held by one rank of N: 4 params + 4 grads + 8 Adam (m, v), each sharded or not.
+FP32_FORMULA = {
+    "ddp": ("16", lambda n: 16.0),
+    "zero1": ("4 + 4 + 8/N", lambda n: 8 + 8 / n),
+    "zero2": ("4 + 12/N", lambda n: 4 + 12 / n),
+    "zero3": ("16/N", lambda n: 16 / n),
+    "fsdp": ("16/N", lambda n: 16 / n),
+}
+# What DeepSpeed keeps: also an fp32 master partition, even when the parameters are fp32 already (the
+# mixed-precision formula's 12 optimizer bytes with 4-byte parameters and gradients); and its stage 1, like
+# stage 2, keeps only the rank's gradient partition once backward ends (it holds every gradient until then).
+DEEPSPEED_FORMULA = {
+    "zero1": ("4 + 16/N", lambda n: 4 + 16 / n),
+    "zero2": ("4 + 16/N", lambda n: 4 + 16 / n),
+    "zero3": ("20/N", lambda n: 20 / n),
+}
+MIXED_FORMULA = {"ddp": "16", "zero1": "4 + 12/N", "zero2": "2 + 14/N", "zero3": "16/N", "fsdp": "16/N"}
+
+
+def _storages(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
+    """Distinct storages (data pointer -> bytes) behind ``tensors``: views of one flat buffer count once."""
+    found = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if storage.nbytes():
+            found[storage.data_ptr()] = storage.nbytes()
+    return found
+
+
+def _walk(obj: object, name: str, depth: int = 6, seen: set[int] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(attribute path, tensor) reachable from an optimizer or a strategy's wrapper through attributes, lists
+    and dicts."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen or depth < 0:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        yield name, obj
+        if obj.grad is not None:
+            yield f"{name}.grad", obj.grad
+        children: Iterable[tuple[str, object]] = ((f"{name}.{k}", v) for k, v in vars(obj).items())
+    elif isinstance(obj, dict):
+        children = [*((f"{name}[key]", k) for k in obj), *((f"{name}[]", v) for v in obj.values())]
+    elif isinstance(obj, list | tuple | set):
+        children = ((f"{name}[]", v) for v in obj)
+    elif isinstance(obj, torch.nn.Module) or not hasattr(obj, "__dict__"):
+        return  # modules are covered by their parameters
+    elif type(obj).__module__.split(".")[0] in ("torch", "deepspeed", "lightning"):
+        children = ((f"{name}.{k}", v) for k, v in vars(obj).items())
+    else:
+        return
+    for child_name, child in children:
+        yield from _walk(child, child_name, depth - 1, seen)
+
+
+def _innermost(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer holding Adam's ``exp_avg``/``exp_avg_sq`` (DeepSpeed wraps it)."""
+    while not isinstance(optimizer, torch.optim.Optimizer) or hasattr(optimizer, "optimizer"):
+        inner = getattr(optimizer, "optimizer", None)
+        if inner is None or inner is optimizer:
+            break
+        optimizer = inner
+    return optimizer
+
+
+def model_state_bytes(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, int]:
+    """This rank's bytes of parameters, gradients, Adam moments and the strategy's other state tensors."""
+    params = [p for p in pl_module.parameters()]
+    params += [p.ds_tensor for p in params if hasattr(p, "ds_tensor")]  # ZeRO-3 partitions
+    wrapper = trainer.strategy.model
+    params += [m._handle.flat_param for m in wrapper.modules() if getattr(m, "_handle", None)]  # FSDP
+    parts: dict[str, Any] = {}
+    counted: dict[int, int] = {}
+
+    def add(part: str, found: dict[int, int]) -> None:
+        new = {k: v for k, v in found.items() if k not in counted}
+        counted.update(new)
+        parts[part] = sum(new.values())
+
+    add("params", _storages(params))
+    walked = [item for obj in (trainer.optimizers[0], wrapper) for item in _walk(obj, type(obj).__name__)]
+    grads = [p.grad for p in params if p.grad is not None]
+    grads += [t for name, t in walked if "grad" in name.lower() and "bucket" not in name.lower()]
+    add("grads", _storages(grads))  # DeepSpeed's flat gradient partitions included
+    torch_optimizer = _innermost(trainer.optimizers[0])
+    # DeepSpeed's fp32 partitions: the torch optimizer's parameters (ZeRO-3 lends them only during the step).
+    master = [*torch_optimizer.state, *(p for group in torch_optimizer.param_groups for p in group["params"])]
+    add("master", _storages(master))
+    add(
+        "adam_moments", _storages(t for st in torch_optimizer.state.values() for t in st.values() if torch.is_tensor(t))
+    )
+    other = {k: v for k, v in _storages(t for _, t in walked).items() if k not in counted}
+    add("other", other)
+    names = {t.untyped_storage().data_ptr(): name for name, t in reversed(walked)}  # the first path found
+    parts["largest_other"] = [[names[k], other[k]] for k in sorted(other, key=other.get, reverse=True)[:3]]
+    parts["total"] = sum(counted.values())
+    gc.collect()
+    parts["all_live_tensors"] = sum(_storages(o for o in gc.get_objects() if isinstance(o, torch.Tensor)).values())
+    return parts
+
+
+class StrategyProbe(Callback):
+    """Records step times, model-state bytes and peak RSS of this rank into ``{root}/probe.rank{R}.json``."""
+
+    def __init__(self) -> None:
+        self.record: dict[str, Any] = {"wall": [], "cpu": []}
+        self._start = (0.0, 0.0)
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.record["parameters"] = sum(p.numel() for p in pl_module.parameters())
+
+    @override
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
+        self._start = (time.perf_counter(), time.process_time())
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        if trainer.global_step == 1:
+            self.record["state"] = model_state_bytes(trainer, pl_module)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, idx: int
+    ) -> None:
+        self.record["wall"].append(time.perf_counter() - self._start[0])
+        self.record["cpu"].append(time.process_time() - self._start[1])
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.record["peak_rss"] = common.peak_rss_bytes()
+        self.record["torch"] = torch.__version__
+        path = Path(trainer.default_root_dir) / f"probe.rank{trainer.global_rank}.json"
+        path.write_text(json.dumps(self.record))
+
+
+def run_case(case: str, root: Path, steps: int, max_tokens: int, timeout: float) -> list[dict[str, Any]]:
+    """Trains with the case's ``configs/STRATEGY.yaml`` on two CPU processes; returns each rank's probe record."""
+    strategy, extra = CASES[case]
+    model = [f"--model.transformer.{key}={value}" for key, value in MODEL.items()]
+    command = [
+        sys.executable, "cli.py", "fit",
+        "--config", f"configs/{strategy}.yaml",
+        "--trainer.accelerator", "cpu",
+        "--trainer.devices", str(WORLD),
+        *model,
+        "--model.transformer.dropout", "0.1",
+        "--model.transformer.max_len", "128",
+        "--model.transformer.norm_first", "true",
+        "--data.init_args.demo_size", "4000",
+        "--data.init_args.bpe_vocab_size", "1000",
+        "--data.init_args.max_tokens", str(max_tokens),
+        "--trainer.max_steps", str(steps),
+        "--trainer.limit_val_batches", "0",
+        "--trainer.logger", "false",
+        "--trainer.enable_progress_bar", "false",
+        "--trainer.enable_model_summary", "false",
+        "--checkpoint.save_top_k", "0",
+        "--checkpoint.save_last", "false",
+        "--trainer.default_root_dir", str(root),
+        "--trainer.callbacks+=bench_strategies.StrategyProbe",
+        *extra,
+    ]  # fmt: skip
+    path = os.pathsep.join([str(ROOT), str(Path(__file__).resolve().parent)])
+    env = os.environ | {"OMP_NUM_THREADS": "1", "MASTER_PORT": str(_free_port()), "PYTHONPATH": path}
+    run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if run.returncode:
+        raise RuntimeError(f"{case} failed (exit {run.returncode}):\n{run.stderr[-4000:]}")
+    return [json.loads((root / f"probe.rank{rank}.json").read_text()) for rank in range(WORLD)]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.0f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--case", choices=list(CASES), action="append", help="default: every case")
+    parser.add_argument("--steps", type=int, default=8, help="timed training steps per strategy")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (at least 2)")
+    parser.add_argument("--max-tokens", type=int, default=512, help="padded tokens per batch per rank")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds for one strategy's run")
+    parser.add_argument("--no-write", action="store_true", help="print the section instead of writing RESULTS.md")
+    args = parser.parse_args()
+    assert args.warmup >= 2, "the model state is measured at the second step"
+    cases = args.case or list(CASES)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    start_line = common.machine_line(1, torch.__version__)
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench_strategies-") as tmp:
+        for index, strategy in enumerate(cases):
+            ranks = run_case(strategy, Path(tmp) / str(index), args.warmup + args.steps, args.max_tokens, args.timeout)
+            # A step ends when the slower rank ends it: take the slower rank's time per step.
+            wall = [max(r["wall"][i] for r in ranks) for i in range(args.warmup, args.warmup + args.steps)]
+            cpu = [max(r["cpu"][i] for r in ranks) for i in range(args.warmup, args.warmup + args.steps)]
+            results[strategy] = {
+                "wall": statistics.median(wall),
+                "cpu": statistics.median(cpu),
+                "peak_rss": [r["peak_rss"] for r in ranks],
+                "state": [r["state"] for r in ranks],
+                "parameters": ranks[0]["parameters"],
+            }
+            log.info("%s: median step %.2f s, peak RSS %s MiB", strategy, results[strategy]["wall"],
+                     " / ".join(_mib(b) for b in results[strategy]["peak_rss"]))  # fmt: skip
+            log.info("%s: model state per rank %s", strategy, results[strategy]["state"])
+
+    parameters = next(iter(results.values()))["parameters"]
+    base = results.get("ddp")
+    timing_rows, state_rows = [], []
+    for strategy, result in results.items():
+        rss = result["peak_rss"]
+        timing_rows.append(
+            [
+                strategy,
+                f"{result['wall']:.2f}",
+                f"{result['cpu']:.2f}",
+                f"{result['wall'] / base['wall']:.2f}" if base else "",
+                f"{result['cpu'] / base['cpu']:.2f}" if base else "",
+                " / ".join(_mib(b) for b in rss),
+                f"{max(rss) / max(base['peak_rss']):.2f}" if base else "",
+            ]
+        )
+        state = max(result["state"], key=lambda s: s["total"])  # the rank holding more (uneven partitions)
+        config = CASES[strategy][0]
+        label, formula = FP32_FORMULA[config]
+        ds_label, ds_formula = DEEPSPEED_FORMULA.get(config, ("", None))
+        state_rows.append(
+            [
+                strategy,
+                " / ".join(_mib(state[k]) for k in ("params", "grads", "master", "adam_moments", "other")),
+                _mib(state["total"]),
+                f"{state['total'] / parameters:.2f}",
+                f"{label} = {formula(WORLD):.1f}",
+                f"{ds_label} = {ds_formula(WORLD):.1f}" if ds_formula else "",
+                MIXED_FORMULA[config],
+                f"{state['total'] / base['state'][0]['total']:.2f}" if base else "",
+                _mib(state["all_live_tensors"]),
+            ]
+        )
+
+    command = f"python benchmarks/bench_strategies.py --steps {args.steps} --warmup {args.warmup}"
+    command += f" --max-tokens {args.max_tokens}"
+    model = MODEL
+    body = "\n\n".join(
+        [
+            "## bench_strategies: DDP, ZeRO-1/2/3 and FSDP on two CPU processes",
+            f"Command: `{command}`. {start_line}",
+            f"`python cli.py fit --config configs/STRATEGY.yaml` with {WORLD} processes (gloo, one intra-op thread "
+            f"each) on the built-in demo data, {args.max_tokens} padded tokens per batch per rank; model "
+            f"d_model {model['d_model']}, {model['num_heads']} heads, {model['num_encoder_layers']}+"
+            f"{model['num_decoder_layers']} layers, d_ff {model['d_ff']}, vocabulary 1000 (tied embeddings): "
+            f"{parameters:,} parameters; fp32 (`32-true`), AdamW. Step time is the median over {args.steps} "
+            f"steps after {args.warmup} untimed ones of the slower rank's step (forward, backward, gradient "
+            "communication, optimizer step); CPU time leaves out time taken by other processes. Peak RSS is each "
+            "rank's resident high-water mark (`VmHWM`), PyTorch, Lightning and DeepSpeed runtime included.",
+            common.markdown_table(
+                [
+                    "strategy",
+                    "step, wall (s)",
+                    "step, CPU (s)",
+                    "wall / DDP",
+                    "CPU / DDP",
+                    "peak RSS rank 0 / 1 (MiB)",
+                    "peak RSS / DDP",
+                ],
+                timing_rows,
+            ),  # fmt: skip
+            "Model state is measured in each rank just before the second optimizer step, when that step's "
+            "gradients and the first step's Adam moments both exist: the bytes of distinct tensor storages "
+            "(views of one flat buffer count once) of the parameters as the rank holds them, their gradients, "
+            "Adam's `exp_avg`/`exp_avg_sq`, and every other tensor reachable from the strategy's optimizer and "
+            "wrapper (DeepSpeed's fp32 master partition, gradient partitions and reduce buckets, FSDP's flat "
+            "parameters); `other` is mostly DeepSpeed's preallocated reduce bucket. DDP's gradient buckets live "
+            "in its C++ reducer, out of Python's reach, and are not counted. The rank holding more is shown. In "
+            "fp32 a rank of N needs 4 bytes/param of parameters, 4 of gradients and 8 of Adam moments, each "
+            "sharded or not: DDP 16, ZeRO-1 4 + 4 + 8/N, ZeRO-2 4 + 12/N, ZeRO-3 and FSDP (full shard) 16/N. "
+            "DeepSpeed also keeps an fp32 master copy of its partition when the parameters are fp32 already "
+            "(+4/N), and its stage 1, like stage 2, keeps only this rank's gradient partition once backward "
+            "has ended (stage 1 holds every full gradient until the end of backward, stage 2 reduces them "
+            "bucket by bucket during it). Lightning's `DeepSpeedStrategy` sets `reduce_bucket_size` to 2e8 "
+            "elements, and ZeRO-3 preallocates that bucket: 763 MiB in fp32, more than this model's whole "
+            "state; the `zero3, bucket 1e7` row sets it to 1e7 elements (38 MiB). The mixed-precision column is "
+            "the ZeRO paper's (2-byte parameters and gradients, 12 bytes of fp32 master, m and v), for "
+            "comparison only: it does not apply to these runs. `all live tensors` counts every tensor alive in "
+            "the rank's Python heap (the batch and activations of the step included), a cross-check on the total.",
+            common.markdown_table(
+                [
+                    "strategy",
+                    "params / grads / fp32 master / Adam m,v / other (MiB)",
+                    "model state (MiB)",
+                    "bytes/param measured",
+                    f"fp32 formula (N={WORLD})",
+                    f"what DeepSpeed keeps in fp32 (N={WORLD})",
+                    "mixed-precision formula",
+                    "state / DDP",
+                    "all live tensors (MiB)",
+                ],
+                state_rows,
+            ),  # fmt: skip
+        ]
+    )
+    if args.no_write:
+        print(body)
+    else:
+        common.write_section("bench_strategies", body)
+        log.info("wrote the bench_strategies section of %s", common.RESULTS)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
