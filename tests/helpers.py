@@ -25,6 +25,7 @@ TINY = [
     "--model.transformer.d_ff", "64",
     "--model.transformer.dropout", "0",
     "--model.transformer.max_len", "64",
+    "--model.max_new_tokens", "16",
     "--model.lr", "0.01",
     "--model.warmup_steps", "2",
     "--data.init_args.demo_size", "400",
