@@ -209,6 +209,7 @@ def run_case(case: str, root: Path, steps: int, max_tokens: int, timeout: float)
         *model,
         "--model.transformer.dropout", "0.1",
         "--model.transformer.max_len", "128",
+        "--model.max_new_tokens", "64",
         "--model.transformer.norm_first", "true",
         "--data.init_args.demo_size", "4000",
         "--data.init_args.bpe_vocab_size", "1000",
