@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeedStrategy
+from lightning.pytorch.strategies import FSDPStrategy as LightningFSDPStrategy
+from lightning.pytorch.strategies import Strategy
 
 from tests.helpers import (
     ROOT,
@@ -25,7 +28,7 @@ from tests.helpers import (
     wait_for,
 )
 from torch_handle.export import read_checkpoint
-from torch_handle.strategies import DeepSpeedStrategy
+from torch_handle.strategies import DeepSpeedStrategy, FSDPStrategy
 
 RESUME_STEP = 2  # of 15 batches per rank and epoch: mid-epoch
 TOLERANCE = 1e-6  # a resumed run repeats the same float operations; only the restored state could differ
@@ -83,16 +86,23 @@ def test_sigkill_then_ckpt_path_last_ends_with_the_uninterrupted_weights(base: P
         torch.testing.assert_close(got[name], want[name], atol=TOLERANCE, rtol=0, msg=name)
 
 
-def test_an_interrupted_deepspeed_save_leaves_no_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """DeepSpeed writes a folder file by file; a save that dies half-way must not look like a checkpoint."""
+@pytest.mark.parametrize(
+    ("strategy", "lightning_strategy"),
+    [(DeepSpeedStrategy(stage=2), LightningDeepSpeedStrategy), (FSDPStrategy(), LightningFSDPStrategy)],
+    ids=["deepspeed", "fsdp"],
+)
+def test_an_interrupted_sharded_save_leaves_no_checkpoint(
+    strategy: Strategy, lightning_strategy: type[Strategy], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DeepSpeed and FSDP write a folder file by file; a save that dies half-way must not look like a checkpoint."""
 
-    def write_half_then_die(self: DeepSpeedStrategy, checkpoint: dict, filepath: Path, *args: object) -> None:
+    def write_half_then_die(self: Strategy, checkpoint: dict, filepath: Path, *args: object) -> None:
         Path(filepath, "checkpoint").mkdir(parents=True)
         Path(filepath, "latest").write_text("checkpoint")
+        Path(filepath, ".metadata").write_text("")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(DeepSpeedStrategy.__mro__[1], "save_checkpoint", write_half_then_die)
-    strategy = DeepSpeedStrategy(stage=2)
+    monkeypatch.setattr(lightning_strategy, "save_checkpoint", write_half_then_die)
     monkeypatch.setattr(strategy, "broadcast", lambda obj, src=0: obj)
     monkeypatch.setattr(strategy, "barrier", lambda name=None: None)
     final = tmp_path / "last.ckpt"

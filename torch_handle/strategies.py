@@ -30,6 +30,41 @@ from typing_extensions import override
 from torch_handle.errors import SetupError
 
 
+class _AtomicSave:
+    """Checkpoint folders written whole or not at all, for strategies that save one file per rank.
+
+    Lightning writes single-file checkpoints atomically; DeepSpeed and FSDP's sharded checkpoints are folders
+    that every rank writes into, and a run killed half-way through would leave one that looks valid. So all
+    ranks write ``.NAME.partial`` beside the target, and global rank 0 renames it into place after a barrier
+    (which assumes one file system shared by all nodes, as resuming needs anyway).
+    """
+
+    @override
+    def save_checkpoint(self, checkpoint: dict, filepath: _PATH, storage_options: Any | None = None) -> None:
+        final = Path(self.broadcast(str(filepath)))
+        partial = final.with_name(f".{final.name}.partial")
+        if self.is_global_zero:
+            _remove(partial)
+        self.barrier("atomic_save_start")
+        super().save_checkpoint(checkpoint, partial, storage_options)
+        self.barrier("atomic_save_written")
+        if self.is_global_zero:
+            stale = final.with_name(f".{final.name}.stale")
+            _remove(stale)
+            if final.exists():
+                os.replace(final, stale)  # a folder cannot be replaced in one rename while it holds files
+            os.replace(partial, final)
+            _remove(stale)
+        self.barrier("atomic_save_done")
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
 def use_deepspeed_cpu_accelerator() -> None:
     """Points DeepSpeed at its CPU accelerator.
 
@@ -45,7 +80,7 @@ def use_deepspeed_cpu_accelerator() -> None:
         set_accelerator(CPU_Accelerator())
 
 
-class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
+class DeepSpeedStrategy(_AtomicSave, _LightningDeepSpeedStrategy):
     """Lightning's ``DeepSpeedStrategy`` that also runs on ``accelerator="cpu"`` (DeepSpeed's CPU accelerator
     and gloo), and never leaves a half-written checkpoint folder that looks valid.
 
@@ -110,33 +145,8 @@ class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
         size (Lightning's version reads ``batch_sampler.batch_size`` and fails on them)."""
         return getattr(self.lightning_module.trainer.train_dataloader, "batch_size", None) or 1
 
-    @override
-    def save_checkpoint(self, checkpoint: dict, filepath: _PATH, storage_options: Any | None = None) -> None:
-        """Saves into ``.NAME.partial`` beside ``filepath``, then renames it into place once all ranks wrote.
 
-        Args:
-            checkpoint: Lightning's checkpoint dictionary (DeepSpeed saves the weights and optimizer itself).
-            filepath: The checkpoint folder to create or replace.
-            storage_options: Unsupported, as in Lightning's DeepSpeed strategy.
-        """
-        final = Path(self.broadcast(str(filepath)))
-        partial = final.with_name(f".{final.name}.partial")
-        if self.is_global_zero:
-            shutil.rmtree(partial, ignore_errors=True)
-        self.barrier("deepspeed_save_start")
-        super().save_checkpoint(checkpoint, partial, storage_options)
-        self.barrier("deepspeed_save_written")
-        if self.is_global_zero:
-            stale = final.with_name(f".{final.name}.stale")
-            shutil.rmtree(stale, ignore_errors=True)
-            if final.exists():
-                os.replace(final, stale)
-            os.replace(partial, final)
-            shutil.rmtree(stale, ignore_errors=True)
-        self.barrier("deepspeed_save_done")
-
-
-class FSDPStrategy(_LightningFSDPStrategy):
+class FSDPStrategy(_AtomicSave, _LightningFSDPStrategy):
     """Lightning's ``FSDPStrategy`` that also runs on ``accelerator="cpu"`` (gloo); on CUDA it is unchanged.
 
     PyTorch's FSDP shards and trains over gloo on CPU when told its device is the CPU, but Lightning rejects
