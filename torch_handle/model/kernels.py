@@ -156,8 +156,11 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, dropout_p: float) -> 
             return score - slopes[h] * (kv_idx - q_idx - offset).abs()
 
     batch = None if pad is None else q.shape[0]
-    make = _compiled_block_mask() if q.shape[-2] * k.shape[-2] >= _COMPILE_BLOCK_MASK_AT else create_block_mask
-    block_mask = make(mask_mod, batch, None, q.shape[-2], k.shape[-2], device=q.device)
+    key = ("flex_block_mask", batch, q.shape[-2], k.shape[-2], q.device)
+    if key not in spec.built:  # once per forward pass, not once per layer
+        make = _compiled_block_mask() if q.shape[-2] * k.shape[-2] >= _COMPILE_BLOCK_MASK_AT else create_block_mask
+        spec.built[key] = make(mask_mod, batch, None, q.shape[-2], k.shape[-2], device=q.device)
+    block_mask = spec.built[key]
     return _compiled_flex(q.device.type)(q, k, v, score_mod=score_mod, block_mask=block_mask)
 
 

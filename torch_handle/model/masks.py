@@ -6,7 +6,8 @@ construction and the naive one can serve as the reference for the others.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -22,6 +23,8 @@ class MaskSpec:
         window: Local attention: a query sees keys at most this many positions away.
         alibi: ``(H,)`` ALiBi slopes: the score drops by ``slope * |i - j|``.
         q_offset: Position of the first query (keys start at 0); non-zero while decoding with a cache.
+        built: What a kernel derived from this spec (flex's block mask), kept so that every layer of one
+            forward pass reuses it.
     """
 
     key_padding: Tensor | None = None
@@ -29,6 +32,7 @@ class MaskSpec:
     window: int | None = None
     alibi: Tensor | None = None
     q_offset: int = 0
+    built: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
 def allowed(spec: MaskSpec, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
