@@ -390,3 +390,20 @@ def test_rope_stays_exact_when_the_model_is_cast_to_bf16() -> None:
     cos, sin = model._rope(256, 2, torch.device("cpu"))
     assert cos.dtype == torch.float32
     assert not torch.equal(cos[0], cos[1]) and not torch.equal(sin[0], sin[1])
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+@torch.no_grad()
+def test_generation_keeps_stepping_until_every_process_is_done(num_beams: int) -> None:
+    # Under ZeRO-3 or FSDP each decoder step gathers parameters collectively, so a process whose rows all
+    # finished must keep stepping while another has not: ``all_done`` reports the other processes' state.
+    model, sources = _search_inputs("scripted")
+    steps, calls = 12, []
+    search = greedy_search if num_beams == 1 else lambda *a, **k: beam_search(*a[:3], num_beams, 1.0, **k)
+    alone = [search(model, sources[i : i + 1], steps) for i in range(sources.shape[0])]
+    row = next(i for i, out in enumerate(alone) if out.shape[1] < steps)  # a source that finishes early
+    src, finished_alone = sources[row : row + 1], alone[row]
+    synced = search(model, src, steps, all_done=lambda done: calls.append(done) or False)
+    assert len(calls) == steps and calls[-1]  # stepped to the limit, though done well before it
+    torch.testing.assert_close(synced[:, : finished_alone.shape[1]], finished_alone)
+    assert (synced[:, finished_alone.shape[1] :] == PAD).all()

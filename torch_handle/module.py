@@ -196,7 +196,10 @@ class Seq2SeqModule(L.LightningModule):
 
     def generate_text(self, src: Tensor) -> list[str]:
         """Beam-search ``src (B, S)`` and detokenize."""
-        ids = self.model.generate(src, self.hparams.max_new_tokens, self.hparams.num_beams, self.hparams.length_penalty)
+        # Sharded strategies gather parameters inside forward: every rank decodes until all ranks are done.
+        all_done = bool if self.trainer.world_size == 1 else self.trainer.strategy.reduce_boolean_decision
+        h = self.hparams
+        ids = self.model.generate(src, h.max_new_tokens, h.num_beams, h.length_penalty, all_done)
         return self.tokenizer.decode_batch(ids.tolist())
 
     # --- optimisation -------------------------------------------------------------------------------------

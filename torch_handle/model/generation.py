@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,8 +19,13 @@ def next_token_logits(logits: Tensor, pad_id: int, bos_id: int) -> Tensor:
     return logits
 
 
-def greedy_search(model: Transformer, src: Tensor, max_new_tokens: int) -> Tensor:
-    """Pick the most likely token at every step; stop once every row has produced EOS."""
+def greedy_search(
+    model: Transformer, src: Tensor, max_new_tokens: int, all_done: Callable[[bool], bool] = bool
+) -> Tensor:
+    """Pick the most likely token at every step; stop once every row has produced EOS.
+
+    ``all_done`` turns this process's "finished" into everyone's (see :meth:`Transformer.generate`).
+    """
     c = model.config
     memory, memory_padding = model.encode(src), model.memory_padding(src)
     cache = model.new_cache(max_new_tokens)
@@ -31,12 +37,19 @@ def greedy_search(model: Transformer, src: Tensor, max_new_tokens: int) -> Tenso
         token = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
         out.append(token.masked_fill(finished[:, None], c.pad_id))
         finished |= token[:, 0] == c.eos_id
-        if finished.all():
+        if all_done(bool(finished.all())):
             break
     return torch.cat(out, dim=1)
 
 
-def beam_search(model: Transformer, src: Tensor, max_new_tokens: int, num_beams: int, length_penalty: float) -> Tensor:
+def beam_search(
+    model: Transformer,
+    src: Tensor,
+    max_new_tokens: int,
+    num_beams: int,
+    length_penalty: float,
+    all_done: Callable[[bool], bool] = bool,
+) -> Tensor:
     """Keep the ``num_beams`` best prefixes per source; a hypothesis scores ``log p / length ** length_penalty``.
 
     A source is done once it holds ``num_beams`` finished hypotheses (early stopping); at
@@ -82,7 +95,7 @@ def beam_search(model: Transformer, src: Tensor, max_new_tokens: int, num_beams:
                 if kept == k:
                     break
             done[row] = len(finished[row]) >= k
-        if all(done):
+        if all_done(all(done)):
             break
         index = (torch.arange(b)[:, None] * k + next_beam).view(-1).to(src.device)
         cache.reorder(index)
