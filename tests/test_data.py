@@ -14,6 +14,7 @@ from torch_handle.data import (
     Collator,
     DataError,
     Example,
+    ExampleDataset,
     SummarizationDataModule,
     TokenBudgetBatchSampler,
     Tokenizer,
@@ -163,8 +164,11 @@ def test_sampler_shards_across_two_replicas(num_items: int) -> None:
     rank0, rank1 = shard(0), shard(1)
     assert len(rank0) == len(rank1) == 10 + num_items % 200 // 10
     seen0, seen1 = [i for b in rank0 for i in b], [i for b in rank1 for i in b]
-    assert set(seen0) | set(seen1) == set(range(num_items))
-    assert len(set(seen0) & set(seen1)) == (0 if num_items == 200 else 10)  # only the repeated batch
+    real0, real1 = {i for i in seen0 if i < num_items}, {i for i in seen1 if i < num_items}
+    assert real0 | real1 == set(range(num_items)) and not real0 & real1  # every example once
+    # The repeated batch (when the count is uneven) comes shifted by num_items, so the dataset marks it.
+    repeats = [i - num_items for i in seen0 + seen1 if i >= num_items]
+    assert len(repeats) == (0 if num_items == 200 else 10) and set(repeats) <= set(range(num_items))
     dropped0, dropped1 = shard(0, drop_last=True), shard(1, drop_last=True)
     assert len(dropped0) == len(dropped1) == 10
     assert not {i for b in dropped0 for i in b} & {i for b in dropped1 for i in b}
@@ -209,7 +213,7 @@ def test_collator_adds_specials_pads_and_truncates() -> None:
 
 def test_collator_predict_batch_has_no_target() -> None:
     batch = Collator(8, 8)([Example([5, 6], "a"), Example([7], "b")])
-    assert set(batch) == {"src", "src_text"}
+    assert set(batch) == {"src", "src_text", "repeat"}  # no target keys
     assert batch["src"].tolist() == [[5, 6, EOS_ID], [7, EOS_ID, PAD_ID]]
 
 
@@ -428,3 +432,11 @@ def test_demo_corpus_is_deterministic_disjoint_and_not_a_copy() -> None:
     assert with_sees and all(t.split()[-1] == "vid" for _, t in with_sees)  # the verb moves to the end
     with pytest.raises(DataError):
         demo_corpus("dev", 10, seed=0)
+
+
+def test_repeated_examples_come_marked_in_their_batch() -> None:
+    examples = [Example([5, 6], "a b", [7], "c"), Example([8], "d", [9, 10], "e f")]
+    dataset, collate = ExampleDataset(examples), Collator(16, 16)
+    assert dataset[3] == Example([8], "d", [9, 10], "e f", repeat=True)  # index n + i repeats example i
+    assert collate([dataset[0], dataset[1]])["repeat"] is False
+    assert collate([dataset[2], dataset[3]])["repeat"] is True

@@ -143,3 +143,15 @@ def test_load_from_checkpoint_gives_identical_logits(
         )
     untrained = Seq2SeqModule(TINY, vocab_size=datamodule.vocab_size).eval()
     assert not torch.equal(untrained.model.tgt_embed.weight, loaded.model.tgt_embed.weight)
+
+
+def test_a_repeated_evaluation_batch_runs_but_is_not_counted() -> None:
+    module = _module(task="summarization")
+    batch = {**_batch(), "src_text": ["one two three", "four five"], "tgt_text": ["one", "four"]}
+    calls = []
+    module._loss = lambda b: calls.append(b) or Seq2SeqModule._loss(module, b)  # type: ignore[method-assign]
+    module._evaluate({**batch, "repeat": True}, "test", module.test_metric, decode=False)
+    assert len(calls) == 1  # the forward pass still runs: sharded strategies step every rank together
+    assert not module.test_lead_metric.update_called
+    module._evaluate({**batch, "repeat": False}, "test", module.test_metric, decode=False)
+    assert module.test_lead_metric.update_called

@@ -120,12 +120,19 @@ class Seq2SeqModule(L.LightningModule):
     # --- evaluation ---------------------------------------------------------------------------------------
 
     def _evaluate(self, batch: dict[str, Any], stage: str, metric: SacreBLEUScore | Rouge, decode: bool) -> None:
+        """Loss, perplexity and decoding metrics of one batch.
+
+        A batch that only evens out the batch count across ranks (``batch["repeat"]``) runs like any other,
+        because sharded strategies need every rank to step together, but is not counted.
+        """
         loss, nll, _ = self._loss(batch)
+        predictions = self.decode_batch(batch) if decode else None
+        if batch.get("repeat", False):
+            return
         batch_size = batch["tgt"].shape[0]
         self.log(f"{stage}/loss", loss, prog_bar=True, sync_dist=True, batch_size=batch_size)
         self.log(f"{stage}/ppl", nll.exp(), sync_dist=True, batch_size=batch_size)
-        if decode:
-            predictions = self.decode_batch(batch)
+        if predictions is not None:
             references = batch["tgt_text"]
             metric.update(predictions, [[r] for r in references] if isinstance(metric, SacreBLEUScore) else references)
         if stage == "test" and self.test_lead_metric is not None:

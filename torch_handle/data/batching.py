@@ -1,5 +1,6 @@
 """Examples, token-budget batching and collation into the padded tensors the model consumes."""
 
+import dataclasses
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -16,12 +17,17 @@ Batch = dict[str, Any]  # {"src": (B, S), "tgt": (B, T), "src_text": [...], "tgt
 
 @dataclass(frozen=True, slots=True)
 class Example:
-    """One pre-tokenized pair; ``tgt_ids``/``tgt_text`` are None for prediction inputs."""
+    """One pre-tokenized pair; ``tgt_ids``/``tgt_text`` are None for prediction inputs.
+
+    ``repeat`` marks a copy that only evens out the batch count across ranks (see
+    :class:`TokenBudgetBatchSampler`): it is trained on, but never counted twice in a metric.
+    """
 
     src_ids: list[int]
     src_text: str
     tgt_ids: list[int] | None = None
     tgt_text: str | None = None
+    repeat: bool = False
 
 
 class ExampleDataset(Dataset[Example]):
@@ -40,6 +46,9 @@ class ExampleDataset(Dataset[Example]):
 
     @override
     def __getitem__(self, index: int) -> Example:
+        """Indices past the end are the sampler's repeats: ``index - len(self)``, marked as such."""
+        if index >= len(self.examples):
+            return dataclasses.replace(self.examples[index - len(self.examples)], repeat=True)
         return self.examples[index]
 
 
@@ -76,6 +85,7 @@ class Collator:
         batch: Batch = {
             "src": _pad([self.source_ids(e) for e in examples]),
             "src_text": [e.src_text for e in examples],
+            "repeat": all(e.repeat for e in examples),
         }
         if all(has_target):
             batch["tgt"] = _pad([self.target_ids(e) for e in examples])
@@ -207,7 +217,10 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
             batches = [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
         total = self._per_rank * self.num_replicas
         if batches and total > len(batches):  # repeat from the start so that every rank has as many
-            batches = (batches * math.ceil(total / len(batches)))[:total]
+            # Repeats are shifted by n: the dataset hands them out marked, so that evaluation runs them
+            # (sharded strategies need every rank to step together) without counting them twice.
+            repeats = [[i + n for i in batch] for batch in batches]
+            batches = (batches + repeats * math.ceil(total / len(batches)))[:total]
         return batches[self.rank : total : self.num_replicas]
 
     def _cut(self, order: list[int]) -> list[list[int]]:
