@@ -14,9 +14,9 @@ from typing import NoReturn
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
-from callbacks.checkpointing import TOKENIZER_FILE, Checkpoint
+from callbacks.checkpointing import Checkpoint
 from callbacks.prediction_writer import PredictionWriter
-from torch_handle.checkpoints import CheckpointError, check_checkpoint, last_checkpoint
+from torch_handle.checkpoints import TOKENIZER_FILE, CheckpointError, check_checkpoint, last_checkpoint
 from torch_handle.data.base import Seq2SeqDataModule
 from torch_handle.errors import DataError, SetupError
 from torch_handle.export import configure_from_exported, exported_weights, is_exported

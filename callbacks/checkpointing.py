@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import lightning as L
@@ -12,21 +10,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
-TOKENIZER_FILE = "tokenizer.json"
-CONFIG_FILE = "transformer.json"
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write through a temporary file in the same folder and rename it: readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+from torch_handle.checkpoints import CONFIG_FILE, TOKENIZER_FILE, atomic_write_text
 
 
 class Checkpoint(ModelCheckpoint):

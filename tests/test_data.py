@@ -209,11 +209,14 @@ def test_collator_adds_specials_pads_and_truncates() -> None:
     assert batch["tgt"].tolist() == [[BOS_ID, 10, 11, 12, EOS_ID], [BOS_ID, 10, EOS_ID, PAD_ID, PAD_ID]]
     assert batch["src_text"] == ["long", "short"] and batch["tgt_text"] == ["long target", "short target"]
     assert collate.length(long) == 5 and collate.length(short) == 3
+    assert batch["src_truncated"] == [True, False]  # 5 source tokens do not fit 3 + <eos>
+    fits = Example([5, 6, 7], "fits", [10], "t")
+    assert collate([fits])["src_truncated"] == [False]
 
 
 def test_collator_predict_batch_has_no_target() -> None:
     batch = Collator(8, 8)([Example([5, 6], "a"), Example([7], "b")])
-    assert set(batch) == {"src", "src_text", "repeat"}  # no target keys
+    assert set(batch) == {"src", "src_text", "src_truncated", "repeat"}  # no target keys
     assert batch["src"].tolist() == [[5, 6, EOS_ID], [7, EOS_ID, PAD_ID]]
 
 

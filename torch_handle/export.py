@@ -22,8 +22,14 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from callbacks.checkpointing import CONFIG_FILE, TOKENIZER_FILE
-from torch_handle.checkpoints import CheckpointError, check_checkpoint, is_deepspeed_checkpoint
+from torch_handle.checkpoints import (
+    CONFIG_FILE,
+    TOKENIZER_FILE,
+    CheckpointError,
+    atomic_path,
+    check_checkpoint,
+    is_deepspeed_checkpoint,
+)
 from torch_handle.data.tokenizer import Tokenizer
 from torch_handle.model import Transformer, TransformerConfig
 
@@ -41,21 +47,20 @@ def is_exported(path: str | Path) -> bool:
 def _lightning_state(path: Path) -> dict[str, Any]:
     """The LightningModule's full-precision ``state_dict`` and Lightning's checkpoint fields, per layout."""
     if path.is_file():
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-        return {**checkpoint, "state_dict": checkpoint["state_dict"]}
+        return torch.load(path, map_location="cpu", weights_only=True)
     if is_deepspeed_checkpoint(path):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         tag = (path / "latest").read_text().strip()
-        client = torch.load(next((path / tag).glob("*model_states.pt")), map_location="cpu", weights_only=False)
+        client = torch.load(next((path / tag).glob("*model_states.pt")), map_location="cpu", weights_only=True)
         return {**client, "state_dict": get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag)}
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     with tempfile.TemporaryDirectory() as tmp:
         dcp_to_torch_save(path, Path(tmp) / "full.pt")
-        checkpoint = torch.load(Path(tmp) / "full.pt", map_location="cpu", weights_only=False)
+        checkpoint = torch.load(Path(tmp) / "full.pt", map_location="cpu", weights_only=True)
     meta = path / "meta.pt"  # Lightning's FSDP strategy keeps the non-tensor fields beside the shards
-    extra = torch.load(meta, map_location="cpu", weights_only=False) if meta.is_file() else {}
+    extra = torch.load(meta, map_location="cpu", weights_only=True) if meta.is_file() else {}
     return {**extra, **checkpoint, "state_dict": checkpoint.get("model", checkpoint.get("state_dict", {}))}
 
 
@@ -108,9 +113,9 @@ def export(checkpoint: str | Path, output: str | Path) -> Path:
     weights, config, tokenizer = read_checkpoint(checkpoint)
     path = Path(checkpoint)
     output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
     metadata = {"format": FORMAT, "transformer": json.dumps(config.to_dict()), "tokenizer": tokenizer}
-    save_file(weights, output, metadata=metadata)
+    with atomic_path(output) as tmp:  # an interrupted export leaves no file that looks complete
+        save_file(weights, tmp, metadata=metadata)
     log.info("exported %d tensors from %s to %s", len(weights), path, output)
     return output
 

@@ -180,7 +180,7 @@ class Seq2SeqModule(L.LightningModule):
         if self.hparams.task != "summarization":
             return self.generate_text(batch["src"])
         limit = self.trainer.datamodule.collator.max_source_tokens
-        long = [len(ids) >= limit for ids in self.tokenizer.encode_batch(batch["src_text"])]
+        long = batch["src_truncated"]  # cut by the collator: too long for one pass
         out = [""] * len(long)
         short = [i for i, is_long in enumerate(long) if not is_long]
         if short:

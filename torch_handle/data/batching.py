@@ -12,7 +12,8 @@ from typing_extensions import override
 
 from torch_handle.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
-Batch = dict[str, Any]  # {"src": (B, S), "tgt": (B, T), "src_text": [...], "tgt_text": [...]}
+# {"src": (B, S), "tgt": (B, T), "src_text": [...], "tgt_text": [...], "src_truncated": [...], "repeat": bool}
+Batch = dict[str, Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +86,7 @@ class Collator:
         batch: Batch = {
             "src": _pad([self.source_ids(e) for e in examples]),
             "src_text": [e.src_text for e in examples],
+            "src_truncated": [len(e.src_ids) > self.max_source_tokens - 1 for e in examples],
             "repeat": all(e.repeat for e in examples),
         }
         if all(has_target):

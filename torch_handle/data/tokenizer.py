@@ -1,14 +1,13 @@
 """Byte-level BPE tokenizer with the special tokens at fixed ids."""
 
 import logging
-import os
-import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from torch_handle.checkpoints import atomic_write_text
 from torch_handle.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -104,16 +103,7 @@ class Tokenizer:
         Args:
             path: Destination file; its folder is created if needed.
         """
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(self.to_str())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        atomic_write_text(path, self.to_str())
 
     @property
     def vocab_size(self) -> int:
