@@ -10,7 +10,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
-from torch_handle.checkpoints import CONFIG_FILE, TOKENIZER_FILE, atomic_write_text
+from torch_handle.atomic import atomic_write_text
+from torch_handle.checkpoints import CONFIG_FILE, TOKENIZER_FILE
 
 
 class Checkpoint(ModelCheckpoint):

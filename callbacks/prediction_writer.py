@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from torch_handle.checkpoints import atomic_write_text
+from torch_handle.atomic import atomic_write_text
 
 
 class PredictionWriter(BasePredictionWriter):

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from torch_handle.model import BackendUnavailableError, Transformer, TransformerConfig
-from torch_handle.model.generation import beam_search, greedy_search
+from torch_handle.model.generation import beam_search, generate, greedy_search
 from torch_handle.model.kernels import xformers_available
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -171,7 +171,7 @@ def test_cached_greedy_equals_uncached_argmax(position: str) -> None:
     model = _model(position=position, attention_backend="sdpa")
     src, _ = _batch()
     steps = 10
-    out = model.generate(src, steps)
+    out = generate(model, src, steps)
     expected = _uncached_greedy(model, src, steps)
     assert out.shape[1] == steps or (out == EOS).any(dim=1).all()
     assert torch.equal(out, expected[:, : out.shape[1]])
@@ -313,7 +313,7 @@ def test_beam_search_with_a_beam_per_token_is_exact_and_beats_greedy() -> None:
     beams = beam_search(model, src, 2, VOCAB, 0.0)
     beam_logp = _sequence_log_prob(model, src, beams)
     torch.testing.assert_close(beam_logp, best)
-    assert (beam_logp >= _sequence_log_prob(model, src, model.generate(src, 2)) - 1e-5).all()
+    assert (beam_logp >= _sequence_log_prob(model, src, generate(model, src, 2)) - 1e-5).all()
 
 
 # --- training ------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from tests.helpers import (
 from torch_handle.checkpoints import CheckpointError
 from torch_handle.data import TranslationDataModule
 from torch_handle.export import export, exported_metadata, load_exported, main, read_checkpoint
+from torch_handle.model import generate
 
 LOSS_TOLERANCE = 1e-4  # absolute, per batch, over 6 steps (12 batches)
 # Relative Frobenius distance per tensor after 6 steps: every strategy reproduces the single-process weights
@@ -86,7 +87,7 @@ def test_zero3_export_predicts_as_the_gathered_checkpoint(base: Path, tmp_path: 
     expected = [
         text
         for batch in data.predict_dataloader()
-        for text in tokenizer.decode_batch(model.generate(batch["src"], 8, 2, 1.0).tolist())
+        for text in tokenizer.decode_batch(generate(model, batch["src"], 8, 2, 1.0).tolist())
     ]
     assert predicted == expected
 

@@ -22,11 +22,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from torch_handle.atomic import atomic_path
 from torch_handle.checkpoints import (
     CONFIG_FILE,
     TOKENIZER_FILE,
     CheckpointError,
-    atomic_path,
     check_checkpoint,
     is_deepspeed_checkpoint,
 )

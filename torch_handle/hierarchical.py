@@ -1,7 +1,7 @@
 """Hierarchical summarization of documents longer than the model's context.
 
 The document is cut into overlapping windows of at most the context length; each window is summarized
-(cached encoder, KV-cached beam search through :meth:`Transformer.generate`); the window summaries are
+(cached encoder, KV-cached beam search through :func:`torch_handle.model.generate`); the window summaries are
 joined and summarized again, level after level, until the text fits one window and one summary remains.
 """
 
@@ -11,7 +11,7 @@ import logging
 
 from torch_handle.data.batching import Collator, Example
 from torch_handle.data.tokenizer import Tokenizer
-from torch_handle.model import Transformer
+from torch_handle.model import Transformer, generate
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ def generate_summaries(
         for first in range(0, len(order), batch_size):
             rows = order[first : first + batch_size]
             src = collate([Example(sources[i], "") for i in rows])["src"].to(device)  # (b, S)
-            ids = model.generate(src, max_new_tokens, num_beams, length_penalty)
+            ids = generate(model, src, max_new_tokens, num_beams, length_penalty)
             for i, text in zip(rows, tokenizer.decode_batch(ids.tolist()), strict=True):
                 out[i] = text.strip()
     finally:

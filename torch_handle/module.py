@@ -14,7 +14,7 @@ from typing_extensions import override
 
 from torch_handle.hierarchical import summarize
 from torch_handle.metrics import Rouge
-from torch_handle.model import ConfigError, Transformer, TransformerConfig
+from torch_handle.model import ConfigError, Transformer, TransformerConfig, generate
 
 # Checkpoints keep the config as a dataclass; let ``torch.load(weights_only=True)`` accept it.
 torch.serialization.add_safe_globals([TransformerConfig])
@@ -206,7 +206,7 @@ class Seq2SeqModule(L.LightningModule):
         # Sharded strategies gather parameters inside forward: every rank decodes until all ranks are done.
         all_done = bool if self.trainer.world_size == 1 else self.trainer.strategy.reduce_boolean_decision
         h = self.hparams
-        ids = self.model.generate(src, h.max_new_tokens, h.num_beams, h.length_penalty, all_done)
+        ids = generate(self.model, src, h.max_new_tokens, h.num_beams, h.length_penalty, all_done)
         return self.tokenizer.decode_batch(ids.tolist())
 
     # --- optimisation -------------------------------------------------------------------------------------

@@ -11,9 +11,9 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from torch_handle.data.batching import Collator, Example, ExampleDataset, TokenBudgetBatchSampler
+from torch_handle.data.resume import ResumableDataLoader, batches_processed
 from torch_handle.data.tokenizer import Tokenizer
 from torch_handle.errors import DataError
-from torch_handle.resume import ResumableDataLoader, batches_processed
 
 Split = Literal["train", "val", "test", "predict"]
 _STAGE_SPLITS: dict[str, tuple[Split, ...]] = {

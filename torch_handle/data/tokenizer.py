@@ -7,7 +7,7 @@ from pathlib import Path
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from torch_handle.checkpoints import atomic_write_text
+from torch_handle.atomic import atomic_write_text
 from torch_handle.errors import DataError
 
 log = logging.getLogger(__name__)

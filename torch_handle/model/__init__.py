@@ -1,6 +1,7 @@
 """The handwritten Transformer: plain PyTorch, no Lightning, no torch.distributed."""
 
 from torch_handle.model.config import ConfigError, TransformerConfig
+from torch_handle.model.generation import generate
 from torch_handle.model.kernels import BackendUnavailableError
 from torch_handle.model.positions import alibi_slopes, sinusoidal_table
 from torch_handle.model.transformer import DecoderCache, Transformer
@@ -12,5 +13,6 @@ __all__ = [
     "Transformer",
     "TransformerConfig",
     "alibi_slopes",
+    "generate",
     "sinusoidal_table",
 ]

@@ -1,15 +1,17 @@
-"""Greedy and beam-search decoding over a cached encoder output and a key/value cache."""
+"""Greedy and beam-search decoding over a cached encoder output and a key/value cache.
+
+Decoding takes the model as an argument and uses only its public ``encode``/``decode``/``new_cache``: the
+import points one way, generation -> transformer.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from torch_handle.model.transformer import Transformer
+from torch_handle.model.transformer import Transformer
 
 
 def next_token_logits(logits: Tensor, pad_id: int, bos_id: int) -> Tensor:
@@ -112,3 +114,28 @@ def beam_search(
     for row, hyp in enumerate(best):
         out[row, : len(hyp)] = torch.tensor(hyp)
     return out.to(src.device)
+
+
+@torch.no_grad()
+def generate(
+    model: Transformer,
+    src: Tensor,
+    max_new_tokens: int,
+    num_beams: int = 1,
+    length_penalty: float = 1.0,
+    all_done: Callable[[bool], bool] = bool,
+) -> Tensor:
+    """Generated ids ``(B, L)`` without BOS, ``pad_id`` after EOS.
+
+    The encoder runs once; the decoder uses a key/value cache. ``num_beams > 1`` runs beam search.
+    ``all_done`` maps "this process is done" to "every process is done": where forward passes communicate
+    (ZeRO-3 and FSDP gather parameters in them), processes that finish early must keep stepping in
+    lockstep until all have finished, so the caller passes a reduction over processes here.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if num_beams < 1:
+        raise ValueError(f"num_beams must be >= 1, got {num_beams}")
+    if num_beams == 1:
+        return greedy_search(model, src, max_new_tokens, all_done)
+    return beam_search(model, src, max_new_tokens, num_beams, length_penalty, all_done)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -174,29 +173,3 @@ class Transformer(nn.Module):
     def forward(self, src: Tensor, tgt: Tensor) -> Tensor:
         """Teacher-forced logits ``(B, T, tgt_vocab_size)`` for ``src (B, S)`` and decoder input ``tgt (B, T)``."""
         return self.decode(tgt, self.encode(src), self.memory_padding(src))
-
-    @torch.no_grad()
-    def generate(
-        self,
-        src: Tensor,
-        max_new_tokens: int,
-        num_beams: int = 1,
-        length_penalty: float = 1.0,
-        all_done: Callable[[bool], bool] = bool,
-    ) -> Tensor:
-        """Generated ids ``(B, L)`` without BOS, ``pad_id`` after EOS.
-
-        The encoder runs once; the decoder uses a key/value cache. ``num_beams > 1`` runs beam search.
-        ``all_done`` maps "this process is done" to "every process is done": where forward passes communicate
-        (ZeRO-3 and FSDP gather parameters in them), processes that finish early must keep stepping in
-        lockstep until all have finished, so the caller passes a reduction over processes here.
-        """
-        from torch_handle.model.generation import beam_search, greedy_search
-
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if num_beams < 1:
-            raise ValueError(f"num_beams must be >= 1, got {num_beams}")
-        if num_beams == 1:
-            return greedy_search(self, src, max_new_tokens, all_done)
-        return beam_search(self, src, max_new_tokens, num_beams, length_penalty, all_done)
