@@ -11,7 +11,12 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
+import torch
+from jsonargparse import Namespace
+from jsonargparse._actions import _ActionPrintConfig
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from callbacks.checkpointing import Checkpoint
@@ -20,10 +25,14 @@ from torch_handle.checkpoints import TOKENIZER_FILE, CheckpointError, check_chec
 from torch_handle.data.base import Seq2SeqDataModule
 from torch_handle.errors import DataError, SetupError
 from torch_handle.export import configure_from_exported, exported_weights, is_exported
+from torch_handle.hparams import RUNTIME, explicit_model_options, merge_checkpoint_options
 from torch_handle.model import BackendUnavailableError, ConfigError
 from torch_handle.module import Seq2SeqModule
 
-USER_ERRORS = (CheckpointError, ConfigError, DataError, SetupError, BackendUnavailableError)
+# Lightning's MisconfigurationException: the Trainer's and callbacks' own checks of their settings.
+USER_ERRORS = (CheckpointError, ConfigError, DataError, SetupError, BackendUnavailableError, MisconfigurationException)
+EVALUATE = ("validate", "test", "predict")
+RESUME_KEYWORDS = ("last", "hpc", "registry")  # ``fit --ckpt_path`` values Lightning resolves itself
 
 
 def checkpoint_dir(root: str | None) -> str:
@@ -61,30 +70,89 @@ class TorchHandleCLI(LightningCLI):
 
     @override
     def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
-        """Also resolves ``--ckpt_path`` (by default the run's last checkpoint) and checks it before Lightning
-        loads it for its hyper-parameters: a bad path is a one-line error, and no model option is repeated."""
-        super().parse_arguments(parser, args)
+        """Also resolves ``--ckpt_path`` (by default the run's last checkpoint for evaluation), checks it before
+        any pickle is read, and takes the model's architecture from it (see :mod:`torch_handle.hparams`).
+        ``--print_config`` prints the options after that merge: the ones the run uses."""
+        with _ActionPrintConfig.skip_print_config():
+            super().parse_arguments(parser, args)
         subcommand = self.config.get("subcommand")
-        if subcommand not in ("validate", "test", "predict") or is_exported(self.config[subcommand].ckpt_path or ""):
+        if subcommand is not None:
+            ckpt = self._resolve_checkpoint(self.config[subcommand])
+            if ckpt is not None and ckpt.is_file():
+                self._use_checkpoint_options(parser, subcommand, ckpt, sys.argv[1:] if args is None else args)
+        _ActionPrintConfig.print_config_if_requested(parser, self.config)
+
+    @override
+    def _parse_ckpt_path(self) -> None:
+        """Done in :meth:`parse_arguments`, which keeps the user's runtime options (Lightning's drops them)."""
+
+    def _resolve_checkpoint(self, config: Namespace) -> Path | None:
+        """The checked ``--ckpt_path`` (None when there is none, or Lightning resolves a keyword for ``fit``)."""
+        path = config.get("ckpt_path")
+        if is_exported(path or ""):
+            return None
+        if self.config.subcommand in EVALUATE:
+            folder = checkpoint_dir(config.trainer.default_root_dir)
+            config.ckpt_path = str(last_checkpoint(folder) if path in (None, "last") else check_checkpoint(path))
+            return Path(config.ckpt_path)
+        return None if path is None or path in RESUME_KEYWORDS else check_checkpoint(path)
+
+    def _use_checkpoint_options(
+        self, parser: LightningArgumentParser, subcommand: str, ckpt: Path, args: list[str]
+    ) -> None:
+        try:
+            hparams = torch.load(ckpt, map_location="cpu", weights_only=True).get("hyper_parameters", {})
+        except Exception as err:  # noqa: BLE001 - a damaged or unsafe file: any reason is the same answer
+            reason = " ".join(str(err).split())[:200]
+            raise CheckpointError(
+                f"{ckpt} cannot be loaded safely ({reason}): pass a checkpoint this app wrote"
+            ) from err
+        hparams.pop("_instantiator", None)
+        if not hparams:
             return
-        config = self.config[subcommand]
-        folder = checkpoint_dir(config.trainer.default_root_dir)
-        ckpt = last_checkpoint(folder) if config.ckpt_path in (None, "last") else check_checkpoint(config.ckpt_path)
-        config.ckpt_path = str(ckpt)
+        self.checkpoint_vocab_size = hparams.get("vocab_size")
+        typed, in_configs = explicit_model_options(args)
+        model, notes = merge_checkpoint_options(
+            hparams, self.config[subcommand].model.as_dict(), typed, in_configs, str(ckpt)
+        )
+        if notes:
+            rank_zero_warn(f"{ckpt} decides the model's architecture: using {', '.join(notes)}")
+        self.config = parser.parse_object({subcommand: {"model": model}}, self.config)
+        used = self.config[subcommand].model
+        rank_zero_info(
+            f"Model from {ckpt}: " + ", ".join(f"{key}={used[key]}" for key in sorted(RUNTIME) if key in used)
+        )
 
     def before_instantiate_classes(self) -> None:
-        """Evaluation without ``--ckpt_path`` uses the run's last checkpoint, and its tokenizer."""
-        if self.subcommand not in ("validate", "test", "predict"):
-            return
+        """A run from a checkpoint (evaluation: by default the run's last) uses the tokenizer saved beside it."""
         config = self.config[self.subcommand]
+        if self.subcommand not in EVALUATE:
+            self._use_checkpoint_tokenizer(config)
+            return
         self.exported = config.ckpt_path if is_exported(config.ckpt_path or "") else None
         if self.exported is not None:  # an exported model: weights are loaded in before_test/before_predict
             configure_from_exported(config, self.exported)
             config.ckpt_path = None
             return
-        tokenizer = Path(config.ckpt_path).parent / TOKENIZER_FILE  # resolved in parse_arguments
+        self._use_checkpoint_tokenizer(config)
+
+    def _use_checkpoint_tokenizer(self, config: Namespace) -> None:
+        if config.get("ckpt_path") in (None, *RESUME_KEYWORDS):
+            return
+        tokenizer = Path(config.ckpt_path).parent / TOKENIZER_FILE  # checked in parse_arguments
         if config.data.init_args.tokenizer_path is None and tokenizer.is_file():
             config.data.init_args.tokenizer_path = str(tokenizer)
+
+    @override
+    def after_instantiate_classes(self) -> None:
+        """The data's length limits follow the model's context, and a checkpoint's vocabulary must be the data's."""
+        self.datamodule.fit_context(self.model.config.context_length)
+        vocab_size = getattr(self, "checkpoint_vocab_size", None)
+        if vocab_size is not None and vocab_size != self.model.hparams.vocab_size:
+            raise CheckpointError(
+                f"the checkpoint was trained with vocab_size={vocab_size}, the data's tokenizer has "
+                f"{self.model.hparams.vocab_size}: pass the checkpoint's tokenizer.json with --data.tokenizer_path"
+            )
 
     def before_validate(self) -> None:
         self._load_exported()
@@ -100,6 +168,13 @@ class TorchHandleCLI(LightningCLI):
             self.model.model.load_state_dict(exported_weights(self.exported), strict=True)
 
 
+def user_error(err: BaseException | None) -> BaseException | None:
+    """The user error behind ``err``: jsonargparse wraps what a constructor raises in its own errors."""
+    while err is not None and not isinstance(err, USER_ERRORS):
+        err = err.__cause__ or err.__context__
+    return err
+
+
 def main(args: list[str] | None = None) -> None:
     try:
         TorchHandleCLI(
@@ -110,8 +185,11 @@ def main(args: list[str] | None = None) -> None:
             parser_class=OneLineErrorParser,
             args=args,
         )
-    except USER_ERRORS as err:
-        sys.exit(f"error: {err}")
+    except Exception as err:
+        cause = user_error(err)
+        if cause is None:
+            raise
+        sys.exit(f"error: {cause}")
 
 
 if __name__ == "__main__":

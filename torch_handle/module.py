@@ -66,6 +66,21 @@ class Seq2SeqModule(L.LightningModule):
         chunk_overlap: int = 256,
     ) -> None:
         super().__init__()
+        for name, value, valid, rule in (
+            ("lr", lr, lr > 0, "> 0"),
+            ("weight_decay", weight_decay, weight_decay >= 0, ">= 0"),
+            ("betas", betas, all(0 <= b < 1 for b in betas), "in [0, 1)"),
+            ("warmup_steps", warmup_steps, warmup_steps >= 0, ">= 0"),
+            ("min_lr_ratio", min_lr_ratio, 0 <= min_lr_ratio <= 1, "in [0, 1]"),
+            ("label_smoothing", label_smoothing, 0 <= label_smoothing < 1, "in [0, 1)"),
+            ("num_beams", num_beams, num_beams >= 1, ">= 1"),
+            ("max_new_tokens", max_new_tokens, max_new_tokens >= 1, ">= 1"),
+            ("generate_every_n_val_epochs", generate_every_n_val_epochs, generate_every_n_val_epochs >= 0, ">= 0"),
+            ("lead_words", lead_words, lead_words >= 1, ">= 1"),
+            ("chunk_overlap", chunk_overlap, chunk_overlap >= 0, ">= 0"),
+        ):
+            if not valid:
+                raise ConfigError(f"--model.{name} must be {rule}, got {value}")
         self.save_hyperparameters()
         config = dataclasses.replace(transformer, src_vocab_size=vocab_size, tgt_vocab_size=vocab_size)
         if config.position in ("sinusoidal", "learned") and max_new_tokens + 1 > config.max_len:

@@ -1,5 +1,6 @@
 """The DataModule behaviour shared by every task: tokenizer, tokenization, loaders, checkpointed state."""
 
+import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from itertools import chain
@@ -7,7 +8,7 @@ from typing import Any, Literal
 
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_warn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
 from torch_handle.data.batching import Collator, Example, ExampleDataset, TokenBudgetBatchSampler
@@ -85,6 +86,26 @@ class Seq2SeqDataModule(LightningDataModule, ABC):
         self._texts: dict[Split, TextSplit | None] = {}
         self._datasets: dict[Split, ExampleDataset | None] = {}
 
+    def fit_context(self, context_length: int | None) -> None:
+        """Lowers the length limits to a model that reads at most ``context_length`` positions (None: any).
+
+        Longer texts are then cut (with a warning) or refused by the ``truncation`` policy, in ``setup()``,
+        instead of failing inside the model. A decoder reads ``<bos>`` and the target but not its ``<eos>``.
+        """
+        if context_length is None:
+            return
+        limits = {"max_source_tokens": context_length, "max_target_tokens": context_length + 1}
+        over = {name: limit for name, limit in limits.items() if getattr(self.collator, name) > limit}
+        if not over:
+            return
+        lowered = ", ".join(f"--data.{name}={getattr(self.collator, name)} to {limit}" for name, limit in over.items())
+        rank_zero_warn(
+            f"the model reads at most --model.transformer.max_len={context_length} positions: lowered {lowered}; "
+            "raise max_len, or use position=rope or alibi, to keep longer texts"
+        )
+        self.collator = dataclasses.replace(self.collator, **over)
+        self._datasets = {}
+
     @abstractmethod
     def read_split(self, split: Split) -> TextSplit | None:
         """Reads a split from disk; None for an optional split that is not configured.
@@ -142,13 +163,18 @@ class Seq2SeqDataModule(LightningDataModule, ABC):
 
     @override
     def predict_dataloader(self) -> DataLoader:
-        # A plain batch size: Lightning rewraps predict batch samplers to track indices anyway.
+        # A plain batch size: Lightning rewraps predict batch samplers to track indices anyway. On several
+        # processes each predicts a shard; the prediction writer puts the outputs back in input order.
         dataset = self.dataset("predict")
         assert dataset is not None  # read_split raises when there is no predict input
+        trainer = self.trainer
+        sharded = trainer is not None and trainer.world_size > 1
         return DataLoader(
             dataset,
             batch_size=self.predict_batch_size,
-            shuffle=False,
+            sampler=DistributedSampler(dataset, trainer.world_size, trainer.global_rank, shuffle=False)
+            if sharded
+            else None,
             collate_fn=self.collator,
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,

@@ -126,6 +126,11 @@ class TransformerConfig:
             raise ConfigError(f"pad_id, bos_id and eos_id must differ, got {ids}")
 
     @property
+    def context_length(self) -> int | None:
+        """Longest sequence the position encoding supports: ``max_len`` for tables, None for rope and alibi."""
+        return self.max_len if self.position in ("sinusoidal", "learned") else None
+
+    @property
     def head_dim(self) -> int:
         return self.d_model // self.num_heads
 
