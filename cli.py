@@ -103,9 +103,9 @@ class TorchHandleCLI(LightningCLI):
         try:
             hparams = torch.load(ckpt, map_location="cpu", weights_only=True).get("hyper_parameters", {})
         except Exception as err:  # noqa: BLE001 - a damaged or unsafe file: any reason is the same answer
-            reason = " ".join(str(err).split())[:200]
             raise CheckpointError(
-                f"{ckpt} cannot be loaded safely ({reason}): pass a checkpoint this app wrote"
+                f"{ckpt} cannot be loaded safely ({type(err).__name__}: damaged, or holds more than tensors and "
+                "plain values): pass a checkpoint that cli.py fit wrote"
             ) from err
         hparams.pop("_instantiator", None)
         if not hparams:

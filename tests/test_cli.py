@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import subprocess
 import sys
@@ -12,7 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from conftest import TINY_MODEL_ARGS
+from helpers import RUN_TIMEOUT
 
 from cli import main
 
@@ -205,3 +208,207 @@ def test_fit_checkpoint_loads_with_weights_only(tiny_demo_run: Path) -> None:
     checkpoint = torch.load(tiny_demo_run / "checkpoints" / "last.ckpt", weights_only=True)
     assert checkpoint["hyper_parameters"]["transformer"]["d_model"] == 32  # the CLI passes the config as a dict
     assert checkpoint["global_step"] == 8
+
+
+# --- a checkpoint decides the architecture; the user's decoding and backend options win ---------------------
+
+
+def _tiny(run: Path) -> list[str]:
+    return [f"--config={DEMO}", f"--trainer.default_root_dir={run}", *QUIET]
+
+
+@pytest.mark.slow
+def test_decoding_options_on_the_command_line_win_over_the_checkpoint(tiny_demo_run: Path, tmp_path: Path) -> None:
+    inputs = _write(tmp_path / "in.txt", "the dog sees a cat\nmy two old birds helped the king\n")
+    output = tmp_path / "out.txt"
+    args = [*_tiny(tiny_demo_run), f"--data.init_args.predict_file={inputs}", f"--prediction_writer.output={output}"]
+    main(["predict", *args, "--model.num_beams=1", "--model.max_new_tokens=1"])
+    # The checkpoint says max_new_tokens=8; one new token decodes to at most one word.
+    lines = output.read_text(encoding="utf-8").splitlines()
+    assert len(lines) == 2 and all(len(line.split()) <= 1 for line in lines), lines
+
+
+@pytest.mark.slow
+def test_print_config_shows_the_checkpoint_architecture_and_the_typed_options(
+    tiny_demo_run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(
+            [
+                "test",
+                *_tiny(tiny_demo_run),
+                "--model.num_beams=3",
+                "--model.transformer.attention_backend=naive",
+                "--print_config",
+            ]
+        )
+    assert exit_info.value.code in (0, None)
+    printed = yaml.safe_load(capsys.readouterr().out)["model"]
+    assert printed["transformer"]["d_model"] == 32  # the checkpoint's, not demo.yaml's 128
+    assert printed["num_beams"] == 3 and printed["transformer"]["attention_backend"] == "naive"
+    assert printed["max_new_tokens"] == 40  # demo.yaml's, set explicitly, over the checkpoint's 8
+
+
+def _cli_error(args: list[str]) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    code = exit_info.value.code
+    assert isinstance(code, str), f"expected an error message, got exit code {code!r}"
+    return code
+
+
+@pytest.mark.slow
+def test_architecture_option_contradicting_the_checkpoint_is_one_line(tiny_demo_run: Path, tmp_path: Path) -> None:
+    last = tiny_demo_run / "checkpoints" / "last.ckpt"
+    contradiction = (
+        f"error: --model.transformer.{{key}}={{typed}} contradicts the checkpoint {last}, trained with "
+        "transformer.{key}={saved}: drop the option (the architecture comes from the checkpoint) or pass the "
+        "matching checkpoint"
+    )
+    message = _cli_error(["test", *_tiny(tiny_demo_run), "--model.transformer.d_model=64"])
+    assert message == contradiction.format(key="d_model", typed=64, saved=32)
+    # Resuming a differently sized model: the same line, before anything is written.
+    root = tmp_path / "run"
+    args = ["fit", f"--config={DEMO}", f"--trainer.default_root_dir={root}", *TINY_MODEL_ARGS, *QUIET]
+    message = _cli_error([*args, "--model.transformer.d_ff=48", f"--ckpt_path={last}"])
+    assert message == contradiction.format(key="d_ff", typed=48, saved=64)
+    assert not root.exists()
+
+
+@pytest.mark.slow
+def test_predict_line_longer_than_the_model_context_is_cut_with_a_warning(tiny_demo_run: Path, tmp_path: Path) -> None:
+    long_line = " ".join(["the dog sees a cat"] * 60)  # ~300 tokens; the model's max_len is 128
+    inputs = _write(tmp_path / "in.txt", f"the cat\n{long_line}\n")
+    output = tmp_path / "out.txt"
+    args = [*_tiny(tiny_demo_run), f"--data.init_args.predict_file={inputs}", f"--prediction_writer.output={output}"]
+    with pytest.warns(UserWarning, match=r"lowered --data.max_source_tokens=256 to 128"):
+        main(["predict", *args, "--model.num_beams=1"])
+    assert len(output.read_text(encoding="utf-8").splitlines()) == 2
+
+
+# --- one-line errors from constructors, module numbers and fit checkpoints, nothing written ----------------
+
+
+def _fit(root: Path, *extra: str) -> list[str]:
+    """A tiny ``fit`` that, if its error went unnoticed, would train one step and write a checkpoint."""
+    return [
+        "fit", f"--trainer.default_root_dir={root}", *TINY_MODEL_ARGS, "--data.init_args.bpe_vocab_size=300",
+        "--data.init_args.demo_size=200", "--trainer.max_steps=1", "--trainer.limit_val_batches=0", *extra,
+    ]  # fmt: skip
+
+
+def _evil_checkpoint(path: Path) -> Path:
+    """A torch.save archive that names ``state_dict`` and, when unpickled, runs a command."""
+
+    class Evil:
+        def __reduce__(self) -> tuple:
+            return (os.system, (f"touch {path.parent / 'pwned'}",))
+
+    torch.save({"state_dict": {}, "payload": Evil()}, path)
+    return path
+
+
+ONE_LINE_ERRORS: dict[str, tuple[Callable[[Path], list[str]], str]] = {
+    "missing_data_dir": (
+        lambda t: _fit(t / "run", f"--data.init_args.data_dir={t / 'nope'}"),
+        "error: data_dir {t}/nope not found; pass an existing folder, or omit it for the demo",
+    ),
+    "heads_do_not_divide_width": (
+        lambda t: _fit(t / "run", "--model.transformer.num_heads=3"),
+        "error: d_model=32 is not divisible by num_heads=3: choose num_heads that divides d_model",
+    ),
+    "zero_max_tokens": (
+        lambda t: _fit(t / "run", "--data.init_args.max_tokens=0"),
+        "error: --data.max_tokens must be at least 1, got 0",
+    ),
+    "negative_lr": (lambda t: _fit(t / "run", "--model.lr=-0.001"), "error: --model.lr must be > 0, got -0.001"),
+    "negative_warmup": (
+        lambda t: _fit(t / "run", "--model.warmup_steps=-1"),
+        "error: --model.warmup_steps must be >= 0, got -1",
+    ),
+    "label_smoothing_one": (
+        lambda t: _fit(t / "run", "--model.label_smoothing=1"),
+        "error: --model.label_smoothing must be in [0, 1), got 1.0",
+    ),
+    "zero_beams": (lambda t: _fit(t / "run", "--model.num_beams=0"), "error: --model.num_beams must be >= 1, got 0"),
+    "zero_new_tokens": (
+        lambda t: _fit(t / "run", "--model.max_new_tokens=0"),
+        "error: --model.max_new_tokens must be >= 1, got 0",
+    ),
+    "top_k_without_monitor": (
+        lambda t: _fit(t / "run", "--checkpoint.save_top_k=2"),
+        "error: ModelCheckpoint(save_top_k=2, monitor=None) is not a valid configuration. No quantity for top_k "
+        "to track.",
+    ),
+    "fit_random_checkpoint": (
+        lambda t: _fit(t / "run", f"--ckpt_path={_write(t / 'random.ckpt', os.urandom(4096))}"),
+        "error: {t}/random.ckpt is not a checkpoint (not a torch.save archive): pass a .ckpt file",
+    ),
+    "fit_malicious_checkpoint": (
+        lambda t: _fit(t / "run", f"--ckpt_path={_evil_checkpoint(t / 'evil.ckpt')}"),
+        "error: {t}/evil.ckpt cannot be loaded safely (UnpicklingError: damaged, or holds more than tensors and "
+        "plain values): pass a checkpoint that cli.py fit wrote",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", ONE_LINE_ERRORS)
+def test_user_error_is_one_line_and_writes_nothing(case: str, tmp_path: Path) -> None:
+    make_args, expected = ONE_LINE_ERRORS[case]
+    args = [*make_args(tmp_path), *QUIET]
+    assert _cli_error(args) == expected.format(t=tmp_path)
+    assert not (tmp_path / "run").exists() and not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.slow
+def test_fit_truncated_checkpoint_is_one_line_in_the_real_process(tiny_demo_run: Path, tmp_path: Path) -> None:
+    """The real process: a constructor's error and a bad checkpoint print one line, no traceback, exit 1."""
+    data = (tiny_demo_run / "checkpoints" / "last.ckpt").read_bytes()
+    truncated = _write(tmp_path / "truncated.ckpt", data[: len(data) // 2])
+    for args, expected in (
+        (
+            _fit(tmp_path / "run", f"--ckpt_path={truncated}"),
+            f"error: {truncated} is not a checkpoint (not a torch.save archive): pass a .ckpt file",
+        ),
+        (
+            _fit(tmp_path / "run", f"--data.init_args.data_dir={tmp_path / 'nope'}"),
+            f"error: data_dir {tmp_path / 'nope'} not found; pass an existing folder, or omit it for the demo",
+        ),
+    ):
+        run = subprocess.run([sys.executable, "cli.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
+        assert run.stderr.strip().splitlines()[-1] == expected
+        assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_predict_on_two_processes_writes_every_line_once_in_order(tiny_demo_run: Path, tmp_path: Path) -> None:
+    """Five inputs over two ranks (one repeated to even the shards out): the same file as one process."""
+    inputs = _write(tmp_path / "in.txt", "the dog\nthe cat sees a bird\nmy king\n\ntwo old birds helped the dog\n")
+    outputs = {}
+    for devices in (1, 2):
+        outputs[devices] = tmp_path / f"out{devices}.txt"
+        run = subprocess.run(
+            [
+                sys.executable,
+                "cli.py",
+                "predict",
+                *_tiny(tiny_demo_run),
+                f"--data.init_args.predict_file={inputs}",
+                f"--prediction_writer.output={outputs[devices]}",
+                "--data.init_args.predict_batch_size=1",
+                "--model.num_beams=1",
+                "--trainer.accelerator=cpu",
+                f"--trainer.devices={devices}",
+                "--trainer.strategy=ddp" if devices > 1 else "--trainer.strategy=auto",
+            ],  # fmt: skip
+            cwd=ROOT,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            capture_output=True,
+            text=True,
+            timeout=RUN_TIMEOUT,
+        )
+        assert run.returncode == 0, run.stderr[-4000:]
+    single = outputs[1].read_text(encoding="utf-8")
+    assert single.count("\n") == 5
+    assert outputs[2].read_text(encoding="utf-8") == single
