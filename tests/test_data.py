@@ -1,5 +1,6 @@
 """Tokenizer, batching, collation, DataModules and bad-input errors of ``torch_handle.data``."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -443,3 +444,23 @@ def test_repeated_examples_come_marked_in_their_batch() -> None:
     assert dataset[3] == Example([8], "d", [9, 10], "e f", repeat=True)  # index n + i repeats example i
     assert collate([dataset[0], dataset[1]])["repeat"] is False
     assert collate([dataset[2], dataset[3]])["repeat"] is True
+
+
+def test_length_limits_follow_the_model_context() -> None:
+    """A model with a 12-position table gets batches it can read; unlimited positions change nothing."""
+    from torch_handle.model import Transformer, TransformerConfig
+
+    dm = TranslationDataModule(demo_size=300, bpe_vocab_size=300, max_source_tokens=256, max_target_tokens=256)
+    dm.fit_context(None)  # rope/alibi: no table to outgrow
+    assert (dm.collator.max_source_tokens, dm.collator.max_target_tokens) == (256, 256)
+    lowered = r"max_len=12 positions: lowered --data.max_source_tokens=256 to 12, --data.max_target_tokens=256 to 13"
+    with pytest.warns(UserWarning, match=lowered):
+        dm.fit_context(12)
+    with pytest.warns(UserWarning, match=r"truncated \d+ of 300 sources to 11 tokens"):
+        dm.setup("fit")
+    size = dm.vocab_size
+    config = TransformerConfig(size, size, d_model=8, num_heads=2, num_encoder_layers=1, num_decoder_layers=1, d_ff=8)
+    model = Transformer(dataclasses.replace(config, max_len=12))
+    batch = max(dm.train_dataloader(), key=lambda b: b["src"].shape[1])
+    assert batch["src"].shape[1] == 12
+    model(batch["src"], batch["tgt"][:, :-1])  # the positions table would raise for a longer batch
