@@ -125,7 +125,13 @@ class TorchHandleCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         """A run from a checkpoint (evaluation: by default the run's last) uses the tokenizer saved beside it."""
-        config = self.config[self.subcommand]
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        checkpoint = config.checkpoint
+        if checkpoint.monitor is None and checkpoint.save_top_k not in (-1, 0, 1):
+            raise SetupError(
+                f"--checkpoint.save_top_k={checkpoint.save_top_k} keeps the best checkpoints by a metric: set "
+                "--checkpoint.monitor (e.g. val/loss), or save_top_k to -1 (all), 0 or 1 (the last)"
+            )
         if self.subcommand not in EVALUATE:
             self._use_checkpoint_tokenizer(config)
             return
@@ -137,7 +143,7 @@ class TorchHandleCLI(LightningCLI):
         self._use_checkpoint_tokenizer(config)
 
     def _use_checkpoint_tokenizer(self, config: Namespace) -> None:
-        if config.get("ckpt_path") in (None, *RESUME_KEYWORDS):
+        if config.get("ckpt_path") in (None, *RESUME_KEYWORDS) or is_exported(config.ckpt_path):
             return
         tokenizer = Path(config.ckpt_path).parent / TOKENIZER_FILE  # checked in parse_arguments
         if config.data.init_args.tokenizer_path is None and tokenizer.is_file():

@@ -337,8 +337,8 @@ ONE_LINE_ERRORS: dict[str, tuple[Callable[[Path], list[str]], str]] = {
     ),
     "top_k_without_monitor": (
         lambda t: _fit(t / "run", "--checkpoint.save_top_k=2"),
-        "error: ModelCheckpoint(save_top_k=2, monitor=None) is not a valid configuration. No quantity for top_k "
-        "to track.",
+        "error: --checkpoint.save_top_k=2 keeps the best checkpoints by a metric: set --checkpoint.monitor "
+        "(e.g. val/loss), or save_top_k to -1 (all), 0 or 1 (the last)",
     ),
     "fit_random_checkpoint": (
         lambda t: _fit(t / "run", f"--ckpt_path={_write(t / 'random.ckpt', os.urandom(4096))}"),

@@ -94,7 +94,7 @@ def merge_checkpoint_options(
             continue
         if current[key] == value or (isinstance(value, list | tuple) and list(current[key]) == list(value)):
             continue
-        if key in typed:
+        if key in typed or any(key.startswith(f"{option}.") for option in typed):  # also --model.transformer={...}
             raise CheckpointError(
                 f"--model.{key}={current[key]} contradicts the checkpoint {source}, trained with {key}={value}: "
                 "drop the option (the architecture comes from the checkpoint) or pass the matching checkpoint"
