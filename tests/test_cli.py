@@ -281,8 +281,8 @@ def test_predict_line_longer_than_the_model_context_is_cut_with_a_warning(tiny_d
     inputs = _write(tmp_path / "in.txt", f"the cat\n{long_line}\n")
     output = tmp_path / "out.txt"
     args = [*_tiny(tiny_demo_run), f"--data.init_args.predict_file={inputs}", f"--prediction_writer.output={output}"]
-    with pytest.warns(UserWarning, match=r"lowered --data.max_source_tokens=256 to 128"):
-        main(["predict", *args, "--model.num_beams=1"])
+    with pytest.warns(UserWarning, match=r"lowered --data.max_source_tokens=512 to 128"):
+        main(["predict", *args, "--model.num_beams=1", "--data.init_args.max_source_tokens=512"])
     assert len(output.read_text(encoding="utf-8").splitlines()) == 2
 
 
