@@ -218,14 +218,24 @@ def _tiny(run: Path) -> list[str]:
 
 
 @pytest.mark.slow
-def test_decoding_options_on_the_command_line_win_over_the_checkpoint(tiny_demo_run: Path, tmp_path: Path) -> None:
+def test_decoding_options_on_the_command_line_win_over_the_checkpoint(
+    tiny_demo_run: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     inputs = _write(tmp_path / "in.txt", "the dog sees a cat\nmy two old birds helped the king\n")
     output = tmp_path / "out.txt"
     args = [*_tiny(tiny_demo_run), f"--data.init_args.predict_file={inputs}", f"--prediction_writer.output={output}"]
-    main(["predict", *args, "--model.num_beams=1", "--model.max_new_tokens=1"])
-    # The checkpoint says max_new_tokens=8; one new token decodes to at most one word.
-    lines = output.read_text(encoding="utf-8").splitlines()
-    assert len(lines) == 2 and all(len(line.split()) <= 1 for line in lines), lines
+    with caplog.at_level(logging.INFO):
+        main(["predict", *args, "--model.num_beams=1", "--model.max_new_tokens=1", "--model.length_penalty=0.5"])
+    # The checkpoint says num_beams=2, max_new_tokens=8, length_penalty=1.0; the run says what it used.
+    used = re.search(r"Model from \S+: (.*)", _messages(caplog))
+    assert used is not None, "a run from a checkpoint must say which decoding options it uses"
+    assert {"num_beams=1", "max_new_tokens=1", "length_penalty=0.5"} <= set(used.group(1).split(", "))
+    assert len(output.read_text(encoding="utf-8").splitlines()) == 2
+    # The typed value reaches the module: one that does not fit the checkpoint's max_len=128 is refused.
+    assert _cli_error(["predict", *args, "--model.max_new_tokens=200"]) == (
+        "error: max_new_tokens=200 does not fit max_len=128 of position='sinusoidal': lower max_new_tokens or "
+        "raise transformer.max_len"
+    )
 
 
 @pytest.mark.slow
@@ -284,6 +294,11 @@ def test_predict_line_longer_than_the_model_context_is_cut_with_a_warning(tiny_d
     with pytest.warns(UserWarning, match=r"lowered --data.max_source_tokens=512 to 128"):
         main(["predict", *args, "--model.num_beams=1", "--data.init_args.max_source_tokens=512"])
     assert len(output.read_text(encoding="utf-8").splitlines()) == 2
+    # The typed value reaches the module: one that does not fit the checkpoint's max_len=128 is refused.
+    assert _cli_error(["predict", *args, "--model.max_new_tokens=200"]) == (
+        "error: max_new_tokens=200 does not fit max_len=128 of position='sinusoidal': lower max_new_tokens or "
+        "raise transformer.max_len"
+    )
 
 
 # --- one-line errors from constructors, module numbers and fit checkpoints, nothing written ----------------
