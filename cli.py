@@ -12,10 +12,12 @@ from pathlib import Path
 from typing import NoReturn
 
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
 from callbacks.checkpointing import Checkpoint
 from callbacks.prediction_writer import PredictionWriter
+from torch_handle.atomic import lock_run_folder
 from torch_handle.checkpoints import TOKENIZER_FILE, CheckpointError, check_checkpoint, last_checkpoint
 from torch_handle.data.base import Seq2SeqDataModule
 from torch_handle.errors import DataError, SetupError
@@ -85,6 +87,11 @@ class TorchHandleCLI(LightningCLI):
         tokenizer = Path(config.ckpt_path).parent / TOKENIZER_FILE  # resolved in parse_arguments
         if config.data.init_args.tokenizer_path is None and tokenizer.is_file():
             config.data.init_args.tokenizer_path = str(tokenizer)
+
+    def before_fit(self) -> None:
+        """One run per folder: a second run started in it stops with one line instead of sharing its files."""
+        if rank_zero_only.rank == 0:
+            lock_run_folder(self.trainer.default_root_dir)
 
     def before_validate(self) -> None:
         self._load_exported()
