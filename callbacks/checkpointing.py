@@ -6,6 +6,7 @@ import io
 import json
 import logging
 import signal
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,7 @@ class Checkpoint(ModelCheckpoint):
     """
 
     _rng_states: dict[str, Any] | None = None  # the training stream's state after the last training batch
+    _sigterm = False  # set by the SIGTERM handler during training
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -89,6 +91,22 @@ class Checkpoint(ModelCheckpoint):
         self._save_companions(trainer, pl_module)
 
     @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """From here SIGTERM only raises a flag that all processes agree on at the end of the step.
+
+        Lightning's handler runs a collective (a broadcast) inside the signal handler; on two processes it
+        pairs with whatever collective the other process is in, and the job hangs. Lightning restores the
+        previous handler when training ends.
+        """
+        super().on_train_start(trainer, pl_module)
+        self._sigterm = False
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: object) -> None:
+        self._sigterm = True
+
+    @override
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
@@ -102,7 +120,7 @@ class Checkpoint(ModelCheckpoint):
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._rng_states = get_rng_states()
-        if trainer.strategy.reduce_boolean_decision(trainer.received_sigterm, all=False):
+        if trainer.strategy.reduce_boolean_decision(self._sigterm or trainer.received_sigterm, all=False):
             self._save_and_exit_on_sigterm(trainer)
         scheduled = self._every_n_train_steps >= 1 and trainer.global_step % self._every_n_train_steps == 0
         waits_for_monitor = self.monitor is not None and self.monitor not in self._monitor_candidates(trainer)

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from unittest.mock import Mock, PropertyMock
 
 import pytest
 import torch
@@ -29,6 +30,8 @@ from tests.helpers import (
     wait_for,
 )
 from torch_handle.export import read_checkpoint
+from torch_handle.model import TransformerConfig
+from torch_handle.module import Seq2SeqModule
 from torch_handle.strategies import DeepSpeedStrategy, FSDPStrategy
 
 RESUME_STEP = 2  # of 15 batches per rank and epoch: mid-epoch
@@ -183,3 +186,13 @@ def test_sigkill_and_sigterm_mid_epoch_resume_bit_identically_with_dropout(devic
     assert batches_run(preempted) == total  # steps 1-8 once, then 9 on: nothing repeated, nothing skipped
     for name, tensor in want.items():
         assert torch.equal(weights(preempted)[name], tensor), name
+
+
+def test_configure_optimizers_leaves_the_train_loader_to_the_fit_loop() -> None:
+    """``estimated_stepping_batches`` builds the train loader; built before the checkpoint is restored, Lightning
+    never repositions it, and a resumed epoch restarts at batch 0. The schedule reads it at the first step."""
+    module = Seq2SeqModule(TransformerConfig(d_model=32, num_heads=2, num_encoder_layers=1, num_decoder_layers=1))
+    trainer = Mock()
+    type(trainer).estimated_stepping_batches = PropertyMock(side_effect=AssertionError("train loader built early"))
+    module.trainer = trainer
+    module.configure_optimizers()
