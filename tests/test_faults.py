@@ -10,11 +10,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
+from lightning.pytorch.demos.boring_classes import BoringModel
+from typing_extensions import override
 
+from callbacks.checkpointing import Checkpoint
 from tests.helpers import ROOT, cli, env, fit_args
 from torch_handle.atomic import atomic_write_text, lock_run_folder
+from torch_handle.checkpoints import CheckpointError
 from torch_handle.data.io import read_parallel
 from torch_handle.export import read_checkpoint
 
@@ -153,3 +158,30 @@ def test_blank_lines_of_parallel_files_are_skipped_and_counted(
         f"{tmp_path}/train.de / {tmp_path}/train.en: skipped 3 line pair(s) with a blank side (first at line 2); "
         "a pair needs a sentence on both sides"
     ]
+
+
+class PoisonWeights(L.Callback):
+    """Makes a weight NaN after step 2's update, as a step the loss check cannot see (ZeRO's hidden gradients)."""
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: object) -> None:
+        if trainer.global_step == 2:
+            with torch.no_grad():
+                next(pl_module.parameters())[0] = float("nan")
+
+
+def test_non_finite_weights_never_overwrite_the_last_good_checkpoint(tmp_path: Path) -> None:
+    folder = tmp_path / "checkpoints"
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=4,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[PoisonWeights(), Checkpoint(dirpath=folder, every_n_train_steps=1, save_last=True)],
+    )
+    with pytest.raises(CheckpointError, match="^not saving .*: the weights at step 2 are not finite"):
+        trainer.fit(BoringModel())
+    last = torch.load(folder / "last.ckpt", weights_only=True)
+    assert last["global_step"] == 1
+    assert all(torch.isfinite(t).all() for t in last["state_dict"].values())
