@@ -15,12 +15,13 @@ import torch
 from jsonargparse import Namespace
 from jsonargparse._actions import _ActionPrintConfig
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from callbacks.checkpointing import Checkpoint
 from callbacks.prediction_writer import PredictionWriter
+from torch_handle.atomic import lock_run_folder
 from torch_handle.checkpoints import TOKENIZER_FILE, CheckpointError, check_checkpoint, last_checkpoint
 from torch_handle.data.base import Seq2SeqDataModule
 from torch_handle.errors import DataError, SetupError
@@ -159,6 +160,11 @@ class TorchHandleCLI(LightningCLI):
                 f"the checkpoint was trained with vocab_size={vocab_size}, the data's tokenizer has "
                 f"{self.model.hparams.vocab_size}: pass the checkpoint's tokenizer.json with --data.tokenizer_path"
             )
+
+    def before_fit(self) -> None:
+        """One run per folder: a second run started in it stops with one line instead of sharing its files."""
+        if rank_zero_only.rank == 0:
+            lock_run_folder(self.trainer.default_root_dir)
 
     def before_validate(self) -> None:
         self._load_exported()

@@ -1,28 +1,89 @@
-"""Lightning's ModelCheckpoint, plus the tokenizer and model config written beside the checkpoints."""
+"""Lightning's ModelCheckpoint, made safe to kill: atomic files, exact resume, saves on schedule and on SIGTERM."""
 
 from __future__ import annotations
 
+import io
 import json
+import logging
+import signal
+import threading
 from pathlib import Path
+from typing import Any
 
 import lightning as L
+import torch
+from fsspec.implementations.local import LocalFileSystem
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.fabric.utilities.cloud_io import get_filesystem
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from torch_handle.atomic import atomic_write_text
-from torch_handle.checkpoints import CONFIG_FILE, TOKENIZER_FILE
+from callbacks.rng import get_rng_states, set_rng_states
+from torch_handle.atomic import TEMP_SUFFIX, atomic_path, atomic_write_text
+from torch_handle.checkpoints import CONFIG_FILE, TOKENIZER_FILE, CheckpointError
+
+log = logging.getLogger(__name__)
+PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM  # what a shell reports for a process ended by SIGTERM
+RNG_KEY = "rng_states"  # one entry per global rank
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Single-file checkpoints written beside their target, fsynced, then renamed into place.
+
+    Lightning's ``_atomic_save`` stages the file in ``$TMPDIR`` and moves it; when the checkpoint folder is on
+    another file system (the usual cluster layout) the move is a copy over the old file, so a kill or a full
+    disk during it leaves a truncated checkpoint under a valid name, and a killed save leaks a temp file in
+    ``$TMPDIR``. Remote paths (``s3://``, ...) keep Lightning's way.
+    """
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+        if storage_options is not None or not isinstance(get_filesystem(path), LocalFileSystem):
+            super().save_checkpoint(checkpoint, path, storage_options)
+            return
+        buffer = io.BytesIO()  # written from Python, so a full disk raises OSError, not torch's iostream error
+        torch.save(checkpoint, buffer)
+        try:
+            with atomic_path(path) as tmp:
+                tmp.write_bytes(buffer.getbuffer())
+        except OSError as err:
+            raise CheckpointError(
+                f"could not write checkpoint {path} ({err.strerror or err}); the previous checkpoints are kept: "
+                "free space or fix the folder, then rerun the same command with --ckpt_path last"
+            ) from err
 
 
 class Checkpoint(ModelCheckpoint):
-    """``ModelCheckpoint`` that also keeps ``tokenizer.json`` and ``transformer.json`` in its folder.
+    """``ModelCheckpoint`` that a job can be killed under at any moment and resumed exactly from.
 
-    ``last.ckpt`` is also written when training ends between two scheduled saves, so it is always the end
-    state of the run.
-
-    Test, predict, resume and export then decode exactly as training encoded, with no other file to
-    carry along. Checkpoint files themselves are written atomically by Lightning (``_atomic_save``).
+    - Keeps ``tokenizer.json`` and ``transformer.json`` in its folder, so test, predict, resume and export
+      decode exactly as training encoded, with no other file to carry along.
+    - Single-file checkpoints are written through :class:`AtomicCheckpointIO`; files left by a killed save are
+      removed when the next run starts.
+    - ``every_n_train_steps`` writes ``last.ckpt`` on schedule even before ``monitor`` has a value (Lightning
+      would wait for the first validation); the top-k save still waits for it.
+    - On SIGTERM (preemption) every process saves ``last.ckpt`` at the end of the same step, then the job exits
+      with status 143; rerunning with ``--ckpt_path last`` continues from there.
+    - Each process's random state (dropout) is saved and restored, so a resumed run draws what the
+      uninterrupted one would have.
+    - ``last.ckpt`` is also written when training ends between two scheduled saves, so it is always the end
+      state of the run, and no checkpoint is ever written from non-finite weights.
     """
+
+    _rng_states: dict[str, Any] | None = None  # the training stream's state after the last training batch
+    _sigterm = False  # set by the SIGTERM handler during training
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # not a user's or DeepSpeed's own
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        if stage == "fit":
+            self._remove_unfinished_saves()
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -30,11 +91,115 @@ class Checkpoint(ModelCheckpoint):
         self._save_companions(trainer, pl_module)
 
     @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """From here SIGTERM only raises a flag that all processes agree on at the end of the step.
+
+        Lightning's handler runs a collective (a broadcast) inside the signal handler; on two processes it
+        pairs with whatever collective the other process is in, and the job hangs. Lightning restores the
+        previous handler when training ends.
+        """
+        super().on_train_start(trainer, pl_module)
+        self._sigterm = False
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: object) -> None:
+        self._sigterm = True
+
+    @override
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        """Training draws from one random stream: whatever validation or data loading drew since the last
+        training batch is undone, so the stream a checkpoint records is the one the next batch uses."""
+        if self._rng_states is not None:
+            set_rng_states(self._rng_states)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._rng_states = get_rng_states()
+        if trainer.strategy.reduce_boolean_decision(self._sigterm or trainer.received_sigterm, all=False):
+            self._save_and_exit_on_sigterm(trainer)
+        scheduled = self._every_n_train_steps >= 1 and trainer.global_step % self._every_n_train_steps == 0
+        waits_for_monitor = self.monitor is not None and self.monitor not in self._monitor_candidates(trainer)
+        if scheduled and self.save_last and waits_for_monitor and not self._should_skip_saving_checkpoint(trainer):
+            self._save_last_only(trainer)
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """``last.ckpt`` holds the final weights even when ``max_steps`` stops training between saves."""
         super().on_train_end(trainer, pl_module)
         if self.save_last and trainer.global_step != self._last_global_step_saved and not trainer.sanity_checking:
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    @override
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        """Lightning stops every process at the start of a step when rank 0 got SIGTERM during validation, with
+        exit status 0; save there too, and report the stop as a preemption."""
+        super().on_exception(trainer, pl_module, exception)
+        if isinstance(exception, SIGTERMException):
+            self._save_and_exit_on_sigterm(trainer, exception)
+
+    @override
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(trainer, pl_module, checkpoint)
+        checkpoint[RNG_KEY] = _all_ranks(self._rng_states or get_rng_states(), trainer.world_size)
+
+    @override
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(trainer, pl_module, checkpoint)
+        states = checkpoint.get(RNG_KEY)
+        if states is None:
+            return
+        if len(states) != trainer.world_size:
+            rank_zero_warn(
+                f"the checkpoint holds the random states of {len(states)} processes, this run has "
+                f"{trainer.world_size}: training continues, but dropout will not repeat the original run's"
+            )
+            return
+        self._rng_states = states[trainer.global_rank]
+
+    @override
+    def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
+        """Every process checks its weights (its shard, when sharded) and all agree before anything is written."""
+        finite = all(bool(torch.isfinite(p).all()) for p in trainer.lightning_module.parameters())
+        if not trainer.strategy.reduce_boolean_decision(finite, all=True):
+            raise CheckpointError(
+                f"not saving {filepath}: the weights at step {trainer.global_step} are not finite (training "
+                "diverged); the previous checkpoints are kept: lower --model.lr and resume from one of them"
+            )
+        super()._save_checkpoint(trainer, filepath)
+
+    def _save_last_only(self, trainer: L.Trainer) -> None:
+        """Writes ``last.ckpt`` without counting as this step's save, so the deferred top-k save still runs."""
+        previous = self._last_global_step_saved
+        self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        self._last_global_step_saved = previous
+
+    def _save_and_exit_on_sigterm(self, trainer: L.Trainer, exception: SystemExit | None = None) -> None:
+        if trainer.global_step != self._last_global_step_saved or not self.last_model_path:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        if trainer.is_global_zero:
+            log.warning(
+                f"stopped by SIGTERM at step {trainer.global_step}: saved {self.last_model_path}; rerun the same "
+                "command with --ckpt_path last to continue"
+            )
+        if exception is not None:
+            exception.code = PREEMPTED_EXIT_CODE
+            return
+        raise SystemExit(PREEMPTED_EXIT_CODE)
+
+    @rank_zero_only
+    def _remove_unfinished_saves(self) -> None:
+        """Checkpoints of a save that was killed half-way (hidden temp files) are removed, never resumed from."""
+        if self.dirpath is None or not Path(self.dirpath).is_dir():
+            return
+        for stale in Path(self.dirpath).glob(f".*{self.FILE_EXTENSION}.*{TEMP_SUFFIX}"):
+            log.info(f"removing {stale}, left by a checkpoint save that was killed")
+            stale.unlink(missing_ok=True)
 
     @rank_zero_only
     def _save_companions(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -47,3 +212,12 @@ class Checkpoint(ModelCheckpoint):
         config = getattr(pl_module, "config", None)
         if config is not None:
             atomic_write_text(folder / CONFIG_FILE, json.dumps(config.to_dict(), indent=2))
+
+
+def _all_ranks(state: dict[str, Any], world_size: int) -> list[dict[str, Any]]:
+    """Every process's ``state``, in global rank order (each process draws its own dropout masks)."""
+    if world_size == 1 or not torch.distributed.is_initialized():
+        return [state]
+    states: list[Any] = [None] * world_size
+    torch.distributed.all_gather_object(states, state)
+    return states

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from unittest.mock import Mock, PropertyMock
 
 import pytest
 import torch
@@ -22,12 +23,15 @@ from tests.helpers import (
     check,
     cli,
     env,
+    fit_args,
     reference_args,
     reference_run,
     train_losses,
     wait_for,
 )
 from torch_handle.export import read_checkpoint
+from torch_handle.model import TransformerConfig
+from torch_handle.module import Seq2SeqModule
 from torch_handle.strategies import DeepSpeedStrategy, FSDPStrategy
 
 RESUME_STEP = 2  # of 15 batches per rank and epoch: mid-epoch
@@ -110,3 +114,85 @@ def test_an_interrupted_sharded_save_leaves_no_checkpoint(
         strategy.save_checkpoint({}, final)
     assert not final.exists()
     assert [p.name for p in tmp_path.iterdir()] == [".last.ckpt.partial"]
+
+
+# --- the shipped demo config, with dropout, max_epochs and validation: killed or preempted mid-epoch -------------
+
+SAVE_EVERY = 5  # optimizer steps; the demo's first validation (and val/loss) comes at the end of epoch 0
+DEMO_DEVICES = {1: ["--trainer.accelerator", "cpu", "--trainer.devices", "1"], 2: ["--config", "configs/ddp.yaml"]}
+
+
+def demo_args(devices: int, root: Path) -> list[str]:
+    """The command a user would rerun unchanged: demo config, dropout on, two epochs, validation each epoch."""
+    return [
+        "fit", "--config", "configs/demo.yaml", *DEMO_DEVICES[devices], "--trainer.accelerator", "cpu",
+        *fit_args(root)[1:],
+        "--trainer.logger", "true",  # the demo config's LearningRateMonitor needs one
+        "--model.transformer.dropout", "0.1",
+        "--trainer.max_epochs", "2",
+        "--trainer.limit_val_batches", "2",
+        "--checkpoint.every_n_train_steps", str(SAVE_EVERY),
+        "--trainer.callbacks+=tests.fault_injection.InjectSignal",
+    ]  # fmt: skip
+
+
+def interrupted(args: list[str], **fault: str) -> subprocess.CompletedProcess:
+    """Runs ``cli.py ARGS`` in its own process group (the injected SIGKILL takes the whole group)."""
+    return subprocess.run(
+        [sys.executable, "cli.py", *args],
+        cwd=ROOT,
+        env=env(**fault),
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+        start_new_session=True,
+    )
+
+
+def weights(root: Path) -> dict[str, torch.Tensor]:
+    return read_checkpoint(root / "checkpoints" / "last.ckpt")[0]
+
+
+def batches_run(root: Path) -> int:
+    return sum(len(path.read_text().splitlines()) for path in root.glob("losses.rank*.txt"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("devices", [1, 2])
+def test_sigkill_and_sigterm_mid_epoch_resume_bit_identically_with_dropout(devices: int, tmp_path: Path) -> None:
+    reference = tmp_path / "reference"
+    check(cli(demo_args(devices, reference)))
+    want, total = weights(reference), batches_run(reference)
+    assert total > 4 * SAVE_EVERY * devices  # two epochs, so the kill lands mid-epoch 0
+
+    # SIGKILL at step 7: the job dies with no chance to save; step 5's save is the one to continue from.
+    killed = tmp_path / "killed"
+    run = interrupted(demo_args(devices, killed), TORCH_HANDLE_TEST_SIGKILL_AT_STEP="7")
+    assert run.returncode == -signal.SIGKILL, run.stderr[-3000:]
+    before = batches_run(killed)
+    check(cli([*demo_args(devices, killed), "--ckpt_path", "last"]))
+    assert batches_run(killed) - before == total - SAVE_EVERY * devices  # resumed at step 5, not from scratch
+    for name, tensor in want.items():
+        assert torch.equal(weights(killed)[name], tensor), name
+
+    # SIGTERM at step 8: every process saves at the end of that step, then the job exits 143 with one line.
+    preempted = tmp_path / "preempted"
+    run = interrupted(demo_args(devices, preempted), TORCH_HANDLE_TEST_SIGTERM_AT_STEP="8")
+    assert run.returncode == 143, run.stderr[-3000:]
+    lines = [line for line in run.stderr.splitlines() if line.startswith("stopped by SIGTERM")]
+    assert lines == [f"stopped by SIGTERM at step 8: saved {preempted}/checkpoints/last.ckpt; rerun the same "
+                     "command with --ckpt_path last to continue"]  # fmt: skip
+    check(cli([*demo_args(devices, preempted), "--ckpt_path", "last"]))
+    assert batches_run(preempted) == total  # steps 1-8 once, then 9 on: nothing repeated, nothing skipped
+    for name, tensor in want.items():
+        assert torch.equal(weights(preempted)[name], tensor), name
+
+
+def test_configure_optimizers_leaves_the_train_loader_to_the_fit_loop() -> None:
+    """``estimated_stepping_batches`` builds the train loader; built before the checkpoint is restored, Lightning
+    never repositions it, and a resumed epoch restarts at batch 0. The schedule reads it at the first step."""
+    module = Seq2SeqModule(TransformerConfig(d_model=32, num_heads=2, num_encoder_layers=1, num_decoder_layers=1))
+    trainer = Mock()
+    type(trainer).estimated_stepping_batches = PropertyMock(side_effect=AssertionError("train loader built early"))
+    module.trainer = trainer
+    module.configure_optimizers()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from typing import Any, Literal
 
 import lightning as L
@@ -240,16 +242,24 @@ class Seq2SeqModule(L.LightningModule):
             lr=self.hparams.lr,
             betas=self.hparams.betas,
         )
-        total = max(int(self.trainer.estimated_stepping_batches), 1)
-        warmup = max(min(self.hparams.warmup_steps, total - 1), 1)
-        scheduler = torch.optim.lr_scheduler.SequentialLR(
-            optimizer,
-            [
-                torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1e-3, total_iters=warmup),
-                torch.optim.lr_scheduler.CosineAnnealingLR(
-                    optimizer, T_max=max(total - warmup, 1), eta_min=self.hparams.lr * self.hparams.min_lr_ratio
-                ),
-            ],
-            milestones=[warmup],
-        )
+        # Linear warmup from lr / 1000, then cosine decay to min_lr_ratio * lr at the last step. The number of
+        # steps is read at the first step, not here: ``estimated_stepping_batches`` would build the train loader
+        # before a checkpoint is restored, and Lightning repositions only a loader it builds after restoring, so a
+        # resumed epoch would restart at batch 0. ``factor`` is a plain function: LambdaLR keeps it out of checkpoints.
+        hparams, trainer, start = self.hparams, self.trainer, 1e-3
+
+        @functools.cache
+        def total() -> int:
+            return max(int(trainer.estimated_stepping_batches), 1)
+
+        def factor(step: int) -> float:
+            if step == 0:
+                return start
+            warmup = max(min(hparams.warmup_steps, total() - 1), 1)
+            if step < warmup:
+                return start + (1 - start) * step / warmup
+            progress = min((step - warmup) / max(total() - warmup, 1), 1.0)
+            return hparams.min_lr_ratio + (1 - hparams.min_lr_ratio) * (1 + math.cos(math.pi * progress)) / 2
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

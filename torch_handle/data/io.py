@@ -5,6 +5,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from lightning.pytorch.utilities import rank_zero_warn
+
 from torch_handle.errors import DataError
 
 
@@ -54,8 +56,11 @@ def read_lines(path: str | Path) -> list[str]:
     return [" ".join(line.split()) for line in lines]
 
 
-def read_parallel(source: str | Path, target: str | Path) -> list[tuple[str, str]]:
-    """Line-aligned (source, target) pairs from two files.
+def read_parallel(source: str | Path, target: str | Path) -> tuple[list[tuple[str, str]], list[int]]:
+    """Line-aligned (source, target) pairs from two files, and the line each pair is on.
+
+    Pairs with a blank side are skipped (with one warning that counts them): a blank line is a gap in the
+    corpus, not a sentence to translate into, or from, nothing.
 
     Args:
         source: Source-language file, one sentence per line.
@@ -66,7 +71,14 @@ def read_parallel(source: str | Path, target: str | Path) -> list[tuple[str, str
         raise DataError(
             f"{source} has {len(src)} lines but {target} has {len(tgt)}; parallel files must be line-aligned"
         )
-    return list(zip(src, tgt, strict=True))
+    lines = [line for line, (s, t) in enumerate(zip(src, tgt, strict=True), start=1) if s and t]
+    if len(lines) < len(src):
+        first = next(line for line, (s, t) in enumerate(zip(src, tgt, strict=True), start=1) if not s or not t)
+        rank_zero_warn(
+            f"{source} / {target}: skipped {len(src) - len(lines)} line pair(s) with a blank side (first at line "
+            f"{first}); a pair needs a sentence on both sides"
+        )
+    return [(src[line - 1], tgt[line - 1]) for line in lines], lines
 
 
 def read_jsonl(path: str | Path, fields: Sequence[str], setting: dict[str, str] | None = None) -> list[Record]:

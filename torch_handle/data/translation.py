@@ -90,11 +90,10 @@ class TranslationDataModule(Seq2SeqDataModule):
         if self.data_dir is None:
             size = self.demo_size if split == "train" else DEMO_EVAL_SIZE
             pairs = demo_corpus(split, size, self.seed)
+            lines = list(range(1, len(pairs) + 1))
             source_origin = target_origin = f"demo:{split}"
         else:
             stem = Path(self.data_dir) / self.split_names[split]
             source_origin, target_origin = f"{stem}.{self.src_lang}", f"{stem}.{self.tgt_lang}"
-            pairs = read_parallel(source_origin, target_origin)
-        return TextSplit(
-            [s for s, _ in pairs], [t for _, t in pairs], list(range(1, len(pairs) + 1)), source_origin, target_origin
-        )
+            pairs, lines = read_parallel(source_origin, target_origin)
+        return TextSplit([s for s, _ in pairs], [t for _, t in pairs], lines, source_origin, target_origin)
