@@ -143,10 +143,10 @@ class Seq2SeqModule(L.LightningModule):
         # does; a loader without step_tokens falls back to each micro-batch's own mean.
         loss = loss_sum * (self._step_scale() / step_tokens) if step_tokens else loss_sum / tokens
         per_token = tokens.clamp(min=1)
-        weight = int(tokens)  # epoch aggregates weigh each batch by its tokens: a per-token mean
-        self.log("train/loss", loss_sum.detach() / per_token, prog_bar=True, batch_size=weight)
-        self.log("train/ppl", (nll_sum.detach() / per_token).exp(), batch_size=weight)
-        self.log("train/tokens", tokens.float(), reduce_fx="sum", batch_size=weight)
+        batch_size = batch["tgt"].shape[0]
+        self.log("train/loss", loss_sum.detach() / per_token, prog_bar=True, batch_size=batch_size)  # per token
+        self.log("train/ppl", (nll_sum.detach() / per_token).exp(), batch_size=batch_size)
+        self.log("train/tokens", tokens.float(), reduce_fx="sum", batch_size=batch_size)
         return loss
 
     # --- evaluation ---------------------------------------------------------------------------------------
@@ -209,7 +209,8 @@ class Seq2SeqModule(L.LightningModule):
                 scores |= _percent(metrics["lead"].compute(), f"{stage}/lead_")
             values |= scores
             signature = f" ({bleu_signature(BLEU_TOKENIZE)})" if self.hparams.task == "translation" else ""
-            rank_zero_info(f"{stage}: " + ", ".join(f"{k} {float(v):.2f}" for k, v in scores.items()) + signature)
+            printed = ", ".join(f"{k.removeprefix(stage + '/')} {float(v):.2f}" for k, v in scores.items())
+            rank_zero_info(f"{stage}: {printed}{signature}")
         self.log_dict(values)
         for metric in metrics.values():
             metric.reset()
