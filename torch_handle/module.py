@@ -39,7 +39,9 @@ class Seq2SeqModule(L.LightningModule):
         transformer: Model hyper-parameters. Its vocabulary sizes are replaced by ``vocab_size``.
         vocab_size: Size of the joint source/target vocabulary; the CLI links it from the data module's
             tokenizer, so it is never typed twice.
-        task: ``translation`` reports sacreBLEU, ``summarization`` ROUGE-1/2/L/Lsum.
+        task: ``translation`` reports sacreBLEU, ``summarization`` ROUGE-1/2/L/Lsum F1, both 0-100 as papers do;
+            ``test`` also prints them (BLEU with its sacreBLEU signature). Loss and perplexity are per target token
+            over the whole set.
         label_smoothing: Label smoothing of the cross entropy (the paper uses 0.1).
         lr: Peak learning rate, reached after ``warmup_steps``.
         weight_decay: AdamW's decoupled weight decay (not applied to biases, norms and embeddings).
@@ -263,12 +265,12 @@ class Seq2SeqModule(L.LightningModule):
         return out
 
     def _all_done(self) -> Callable[[bool], bool]:
-        """ "Every rank is done" from "this rank is done": sharded strategies gather parameters inside forward,
-        so every rank decodes until all ranks are done."""
+        """Maps "this rank is done" to "every rank is done": sharded strategies gather parameters inside
+        forward, so every rank keeps decoding until all are done."""
         return bool if self.trainer.world_size == 1 else self.trainer.strategy.reduce_boolean_decision
 
     def _any_rank(self, decision: bool) -> bool:
-        """Whether any rank decides ``decision``."""
+        """Whether ``decision`` holds on any rank."""
         if self.trainer.world_size == 1:
             return decision
         return self.trainer.strategy.reduce_boolean_decision(decision, all=False)
