@@ -23,6 +23,7 @@ from typing_extensions import override
 
 from tests.helpers import STRATEGY_CONFIGS, check, cli, fit_args
 from torch_handle.data import TranslationDataModule
+from torch_handle.data.batching import TokenBudgetBatchSampler
 from torch_handle.module import Seq2SeqModule
 
 ACCUMULATE = 2
@@ -193,3 +194,25 @@ def test_validation_loss_and_perplexity_are_corpus_per_token_values(
     assert logged[0]["val/ppl"] == pytest.approx(float((nll / tokens).exp()), rel=1e-6)
     batch_mean = float((sums[:, 0] / sums[:, 2]).mean())  # 1.2e-4 away from the corpus mean (untrained model)
     assert batch_mean != pytest.approx(float(loss / tokens), rel=1e-5), "the check tells the two apart"
+
+
+@pytest.mark.parametrize(("num_replicas", "accumulate"), [(1, 1), (2, 5), (3, 2), (2, 3)])
+def test_every_batch_carries_the_target_tokens_of_its_whole_optimizer_step(num_replicas: int, accumulate: int) -> None:
+    rng = random.Random(0)
+    lengths = [rng.randint(2, 30) for _ in range(101)]
+    scored = [n - 1 for n in lengths]
+    ranks = [
+        list(
+            TokenBudgetBatchSampler(
+                lengths, 64, shuffle=True, seed=5, num_replicas=num_replicas, rank=rank, scored=scored,
+                accumulate=accumulate,
+            )
+        )
+        for rank in range(num_replicas)
+    ]  # fmt: skip
+    per_rank = len(ranks[0])
+    assert per_rank % accumulate or accumulate == 1, "the epoch ends in a shorter window"
+    for start in range(0, per_rank, accumulate):  # Lightning steps after `accumulate` batches, and at the end
+        window = [batch for rank in ranks for batch in rank[start : start + accumulate]]
+        tokens = sum(scored[i % len(lengths)] for batch in window for i in batch)  # repeats count: trained on
+        assert {batch.step_tokens for batch in window} == {tokens}

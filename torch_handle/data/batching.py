@@ -13,7 +13,7 @@ from typing_extensions import override
 from torch_handle.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 # {"src": (B, S), "tgt": (B, T), "src_text": [...], "tgt_text": [...], "src_truncated": [...], "repeat": bool,
-#  "step_tokens": int (0 when unknown)}
+#  "step_tokens": int (training batches only)}
 Batch = dict[str, Any]
 
 
@@ -114,8 +114,9 @@ class Collator:
             "src_text": [e.src_text for e in examples],
             "src_truncated": [len(e.src_ids) > self.max_source_tokens - 1 for e in examples],
             "repeat": all(e.repeat for e in examples),
-            "step_tokens": examples[0].step_tokens if examples else 0,
         }
+        if examples and examples[0].step_tokens:  # training batches: the loss's normaliser
+            batch["step_tokens"] = examples[0].step_tokens
         if all(has_target):
             batch["tgt"] = _pad([self.target_ids(e) for e in examples])
             batch["tgt_text"] = [e.tgt_text for e in examples]
