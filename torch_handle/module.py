@@ -9,7 +9,7 @@ from typing import Any, Literal
 import lightning as L
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torchmetrics.aggregation import MeanMetric
 from torchmetrics.text import SacreBLEUScore
@@ -136,6 +136,17 @@ class Seq2SeqModule(L.LightningModule):
         trainer = self.trainer
         accumulate = trainer.accumulate_grad_batches
         return accumulate * trainer.world_size * (accumulate if trainer.strategy.handles_gradient_accumulation else 1)
+
+    @override
+    def on_train_start(self) -> None:
+        trainer = self.trainer
+        batches, accumulate = trainer.num_training_batches, trainer.accumulate_grad_batches
+        if trainer.strategy.handles_gradient_accumulation and batches % accumulate:
+            rank_zero_warn(
+                f"{type(trainer.strategy).__name__} carries accumulation windows across epochs, but the loss is "
+                f"normalised per epoch: the step spanning each epoch end weighs its tokens slightly off; choose "
+                f"accumulate_grad_batches dividing the {batches} batches per epoch and rank"
+            )
 
     @override
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
