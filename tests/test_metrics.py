@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Callable
 from pathlib import Path
 
+import lightning as L
 import pytest
 import sacrebleu
 import torch
 from rouge_score import rouge_scorer
 from torchmetrics.text import SacreBLEUScore
 
+from torch_handle.data import TranslationDataModule
 from torch_handle.metrics import ROUGE_KEYS, Rouge, split_sentences
+from torch_handle.model import TransformerConfig
+from torch_handle.module import Seq2SeqModule
 
 PLACES = 5  # rouge-score's own tests compare with ROUGE-1.5.5 to assertAlmostEqual(places=5)
 TOLERANCE = 0.5 * 10**-PLACES
@@ -214,3 +219,24 @@ def test_sacrebleu_metric_is_corpus_bleu_across_updates() -> None:
         sacrebleu.sentence_bleu(h, [r], tokenize="13a").score for h, r in zip(hypotheses, references, strict=True)
     ) / (100 * len(hypotheses))
     assert want != pytest.approx(mean_of_sentences, abs=1e-3)  # corpus BLEU pools n-gram counts, unlike a mean
+
+
+def test_test_reports_bleu_on_sacrebleus_0_100_scale_with_its_signature(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    hypotheses = ["Der Hund sieht eine Katze .", "Zwei alte Vögel halfen dem König .", "Ein Mann fährt Rad !"]
+    references = ["Der Hund sieht die Katze .", "Meine zwei alten Vögel halfen dem König .", "Ein Mann fährt Fahrrad !"]
+    for split in ("train", "test"):
+        (tmp_path / f"{split}.en").write_text("".join(f"{h}\n" for h in hypotheses))
+        (tmp_path / f"{split}.de").write_text("".join(f"{r}\n" for r in references))
+    data = TranslationDataModule(data_dir=str(tmp_path), bpe_vocab_size=300)
+    module = Seq2SeqModule(TransformerConfig(d_model=32, num_heads=2, d_ff=64), vocab_size=data.vocab_size)
+    module.decode_batch = lambda batch: batch["src_text"]  # the English "translations" score a known BLEU
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, use_distributed_sampler=False)
+    with caplog.at_level(logging.INFO):
+        (metrics,) = trainer.test(module, datamodule=data, verbose=False)
+    bleu = sacrebleu.metrics.BLEU(tokenize="13a", smooth_method="none")
+    want = bleu.corpus_score(hypotheses, [references])
+    assert 10 < want.score < 90
+    assert metrics["test/bleu"] == pytest.approx(want.score, abs=1e-4)
+    assert f"test: bleu {want.score:.2f} ({bleu.get_signature()})" in caplog.text

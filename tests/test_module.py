@@ -34,12 +34,12 @@ def _batch() -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("eps", [0.0, 0.1, 0.3])
 def test_loss_is_torch_cross_entropy_ignoring_padding(eps: float) -> None:
     module, batch = _module(label_smoothing=eps), _batch()
-    loss, nll, tokens = module._loss(batch)
+    loss, nll, tokens = module._loss(batch)  # sums over the batch's target tokens
     logits = module.model(batch["src"], batch["tgt"][:, :-1]).reshape(-1, VOCAB)
     labels = batch["tgt"][:, 1:].reshape(-1)
-    expected = F.cross_entropy(logits, labels, ignore_index=PAD_ID, label_smoothing=eps)
+    expected = F.cross_entropy(logits, labels, ignore_index=PAD_ID, label_smoothing=eps, reduction="sum")
     torch.testing.assert_close(loss, expected)
-    torch.testing.assert_close(nll, F.cross_entropy(logits, labels, ignore_index=PAD_ID))
+    torch.testing.assert_close(nll, F.cross_entropy(logits, labels, ignore_index=PAD_ID, reduction="sum"))
     assert tokens == (labels != PAD_ID).sum() == 6
 
 
@@ -51,10 +51,11 @@ def test_padding_never_contributes_to_the_loss() -> None:
     single = {key: value[:1, :] for key, value in batch.items()}  # the unpadded example alone
     single_loss, _, single_tokens = module._loss(single)
     assert single_tokens == 4
-    # The mean over tokens is the token-weighted mean of the per-example means.
+    # The sum over tokens is the sum of the per-example sums.
     other = {key: value[1:, :3] for key, value in batch.items()}
     other_loss, _, other_tokens = module._loss(other)
-    torch.testing.assert_close(loss, (single_loss * 4 + other_loss * other_tokens) / tokens)
+    torch.testing.assert_close(loss, single_loss + other_loss)
+    assert single_tokens + other_tokens == tokens
 
 
 def _configure(module: Seq2SeqModule, total_steps: int) -> dict:
@@ -150,8 +151,9 @@ def test_a_repeated_evaluation_batch_runs_but_is_not_counted() -> None:
     batch = {**_batch(), "src_text": ["one two three", "four five"], "tgt_text": ["one", "four"]}
     calls = []
     module._loss = lambda b: calls.append(b) or Seq2SeqModule._loss(module, b)  # type: ignore[method-assign]
-    module._evaluate({**batch, "repeat": True}, "test", module.test_metric, decode=False)
+    metrics = module.eval_metrics["test"]
+    module._evaluate({**batch, "repeat": True}, "test", decode=False)
     assert len(calls) == 1  # the forward pass still runs: sharded strategies step every rank together
-    assert not module.test_lead_metric.update_called
-    module._evaluate({**batch, "repeat": False}, "test", module.test_metric, decode=False)
-    assert module.test_lead_metric.update_called
+    assert not any(metric.update_called for metric in metrics.values())
+    module._evaluate({**batch, "repeat": False}, "test", decode=False)
+    assert metrics["lead"].update_called and metrics["loss"].update_called

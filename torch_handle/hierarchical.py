@@ -8,6 +8,9 @@ joined and summarized again, level after level, until the text fits one window a
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+
+from torch import Tensor
 
 from torch_handle.data.batching import Collator, Example
 from torch_handle.data.tokenizer import Tokenizer
@@ -50,6 +53,7 @@ def generate_summaries(
     num_beams: int,
     length_penalty: float,
     batch_size: int,
+    generate_fn: Callable[[Tensor], Tensor] | None = None,
 ) -> list[str]:
     """One summary per token list, decoded in batches of ``batch_size`` sources of similar length.
 
@@ -61,6 +65,8 @@ def generate_summaries(
         num_beams: Beam width (1 = greedy).
         length_penalty: Beam-search length normalisation exponent.
         batch_size: Sources decoded together; sorted by length first so little padding is encoded.
+        generate_fn: Decodes a ``(b, S)`` batch as ``generate`` with the settings above would; the
+            LightningModule passes one that keeps processes in lockstep. None calls ``generate``.
     """
     # The collator appends <eos> and pads exactly as training batches are built.
     collate = Collator(max_source_tokens=max(map(len, sources)) + 1, max_target_tokens=3)
@@ -73,7 +79,10 @@ def generate_summaries(
         for first in range(0, len(order), batch_size):
             rows = order[first : first + batch_size]
             src = collate([Example(sources[i], "") for i in rows])["src"].to(device)  # (b, S)
-            ids = generate(model, src, max_new_tokens, num_beams, length_penalty)
+            if generate_fn is None:
+                ids = generate(model, src, max_new_tokens, num_beams, length_penalty)
+            else:
+                ids = generate_fn(src)
             for i, text in zip(rows, tokenizer.decode_batch(ids.tolist()), strict=True):
                 out[i] = text.strip()
     finally:
@@ -93,6 +102,7 @@ def summarize(
     length_penalty: float = 1.0,
     batch_size: int = 4,
     max_levels: int = 4,
+    generate_fn: Callable[[Tensor], Tensor] | None = None,
 ) -> str:
     """Summarize ``document`` of any length with a model whose context is ``max_source_tokens``.
 
@@ -114,6 +124,8 @@ def summarize(
         length_penalty: Beam-search length normalisation exponent.
         batch_size: Windows decoded together.
         max_levels: Most window-then-join levels before the final summary.
+        generate_fn: Replaces each ``generate`` call (see :func:`generate_summaries`), e.g. to keep the
+            collectives of several processes in step while each summarizes its own documents.
 
     Returns:
         The summary, without special tokens.
@@ -127,6 +139,7 @@ def summarize(
         "num_beams": num_beams,
         "length_penalty": length_penalty,
         "batch_size": batch_size,
+        "generate_fn": generate_fn,
     }
     ids = tokenizer.encode(document)
     for level in range(max_levels):

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 from rouge_score import rouge_scorer
+from sacrebleu.metrics import BLEU
 from torchmetrics import Metric
 
 ROUGE_KEYS = ("rouge1", "rouge2", "rougeL", "rougeLsum")
@@ -50,3 +51,10 @@ class Rouge(Metric):
     def compute(self) -> dict[str, torch.Tensor]:
         count = self.count.clamp(min=1)
         return {key: (getattr(self, key) / count).float() for key in ROUGE_KEYS}
+
+
+def bleu_signature(tokenize: str, lowercase: bool = False) -> str:
+    """sacreBLEU's signature of torchmetrics' ``SacreBLEUScore(tokenize, lowercase)`` with one reference and
+    no smoothing (its default), so a reported score says how it was computed."""
+    bleu = BLEU(tokenize=tokenize, lowercase=lowercase, smooth_method="none", references=[[""]])
+    return str(bleu.get_signature())

@@ -5,23 +5,33 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from typing import Any, Literal
 
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
+from torchmetrics.aggregation import MeanMetric
 from torchmetrics.text import SacreBLEUScore
 from typing_extensions import override
 
 from torch_handle.hierarchical import summarize
-from torch_handle.metrics import Rouge
+from torch_handle.metrics import Rouge, bleu_signature
 from torch_handle.model import ConfigError, Transformer, TransformerConfig, generate
 
 # Checkpoints keep the config as a dataclass; let ``torch.load(weights_only=True)`` accept it.
 torch.serialization.add_safe_globals([TransformerConfig])
 
 Task = Literal["translation", "summarization"]
+BLEU_TOKENIZE = "13a"  # sacreBLEU's default tokenizer, the one WMT results are reported with
+
+
+def _percent(value: Tensor | dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
+    """BLEU (a tensor) or ROUGE (a dict) on the 0-100 scale that sacreBLEU and papers report."""
+    scores = value if isinstance(value, dict) else {"bleu": value}
+    return {f"{prefix}{name}": 100 * score.float() for name, score in scores.items()}
 
 
 class Seq2SeqModule(L.LightningModule):
@@ -31,7 +41,9 @@ class Seq2SeqModule(L.LightningModule):
         transformer: Model hyper-parameters. Its vocabulary sizes are replaced by ``vocab_size``.
         vocab_size: Size of the joint source/target vocabulary; the CLI links it from the data module's
             tokenizer, so it is never typed twice.
-        task: ``translation`` reports sacreBLEU, ``summarization`` ROUGE-1/2/L/Lsum.
+        task: ``translation`` reports sacreBLEU, ``summarization`` ROUGE-1/2/L/Lsum F1, both 0-100 as papers do;
+            ``test`` also prints them (BLEU with its sacreBLEU signature). Loss and perplexity are per target token
+            over the whole set.
         label_smoothing: Label smoothing of the cross entropy (the paper uses 0.1).
         lr: Peak learning rate, reached after ``warmup_steps``.
         weight_decay: AdamW's decoupled weight decay (not applied to biases, norms and embeddings).
@@ -92,11 +104,18 @@ class Seq2SeqModule(L.LightningModule):
             )
         self.model = Transformer(config)
         self.config = config
-        self.val_metric, self.test_metric = (self._new_metric() for _ in range(2))
-        self.test_lead_metric = Rouge() if task == "summarization" else None
+        self.eval_metrics = torch.nn.ModuleDict({stage: self._new_metrics(stage) for stage in ("val", "test")})
+        self._decoded: set[str] = set()  # stages that decoded in their current epoch
 
-    def _new_metric(self) -> SacreBLEUScore | Rouge:
-        return SacreBLEUScore(tokenize="13a") if self.hparams.task == "translation" else Rouge()
+    def _new_metrics(self, stage: str) -> torch.nn.ModuleDict:
+        """Per-token loss and NLL (token-weighted means, summed over ranks), and BLEU or ROUGE."""
+        metrics = {"loss": MeanMetric(), "nll": MeanMetric()}
+        metrics["score"] = SacreBLEUScore(tokenize=BLEU_TOKENIZE) if self.hparams.task == "translation" else Rouge()
+        if stage == "test" and self.hparams.task == "summarization":
+            metrics["lead"] = Rouge()
+        for metric in metrics.values():
+            metric.set_dtype(torch.float64)  # corpus sums over many batches
+        return torch.nn.ModuleDict(metrics)
 
     @property
     def tokenizer(self) -> Any:
@@ -109,122 +128,200 @@ class Seq2SeqModule(L.LightningModule):
     # --- loss ---------------------------------------------------------------------------------------------
 
     def _loss(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor, Tensor]:
-        """Label-smoothed cross entropy over non-padding targets; also the plain NLL and the token count.
+        """Summed label-smoothed cross entropy over non-padding targets; also the summed NLL and the token count.
 
-        One log-softmax serves both: smoothed loss = (1 - eps) * NLL + eps * mean over the vocabulary of
-        -log p, the definition ``F.cross_entropy(label_smoothing=eps)`` uses.
+        Sums, not means: the caller divides by the tokens of whatever it averages over (an optimizer step, a
+        whole evaluation set), so every token weighs the same. One log-softmax serves both: smoothed loss =
+        (1 - eps) * NLL + eps * mean over the vocabulary of -log p, as ``F.cross_entropy(label_smoothing=eps)``.
         """
         tgt = batch["tgt"]
         logits = self.model(batch["src"], tgt[:, :-1])  # (B, T, V)
         labels = tgt[:, 1:].reshape(-1)
         log_probs = F.log_softmax(logits.float(), dim=-1).view(-1, logits.shape[-1])
         keep = labels != self.config.pad_id
-        tokens = keep.sum()
-        nll = F.nll_loss(log_probs, labels, ignore_index=self.config.pad_id, reduction="sum") / tokens
-        smooth = -(log_probs.mean(dim=-1) * keep).sum() / tokens
+        nll = F.nll_loss(log_probs, labels, ignore_index=self.config.pad_id, reduction="sum")
+        smooth = -(log_probs.mean(dim=-1) * keep).sum()
         eps = self.hparams.label_smoothing
-        return (1 - eps) * nll + eps * smooth, nll, tokens
+        return (1 - eps) * nll + eps * smooth, nll, keep.sum()
+
+    def _step_scale(self) -> int:
+        """What the backward pass divides a micro-batch's loss by, undone so that the step's mean is per token.
+
+        Lightning divides by ``accumulate_grad_batches``, a strategy that accumulates itself (DeepSpeed)
+        divides by it once more, and DDP, DeepSpeed and FSDP average gradients over ranks.
+        """
+        trainer = self.trainer
+        accumulate = trainer.accumulate_grad_batches
+        return accumulate * trainer.world_size * (accumulate if trainer.strategy.handles_gradient_accumulation else 1)
+
+    @override
+    def on_train_start(self) -> None:
+        trainer = self.trainer
+        batches, accumulate = trainer.num_training_batches, trainer.accumulate_grad_batches
+        if trainer.strategy.handles_gradient_accumulation and batches % accumulate:
+            rank_zero_warn(
+                f"{type(trainer.strategy).__name__} carries accumulation windows across epochs, but the loss is "
+                f"normalised per epoch: the step spanning each epoch end weighs its tokens slightly off; choose "
+                f"accumulate_grad_batches dividing the {batches} batches per epoch and rank"
+            )
 
     @override
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
-        loss, nll, tokens = self._loss(batch)
+        loss_sum, nll_sum, tokens = self._loss(batch)
+        step_tokens = batch.get("step_tokens", 0)
+        # The step's gradient is sum(token losses) / step_tokens over all its micro-batches and ranks, as fairseq
+        # does; a loader without step_tokens falls back to each micro-batch's own mean.
+        loss = loss_sum * (self._step_scale() / step_tokens) if step_tokens else loss_sum / tokens
+        per_token = tokens.clamp(min=1)
         batch_size = batch["tgt"].shape[0]
-        self.log("train/loss", loss, prog_bar=True, batch_size=batch_size)
-        self.log("train/ppl", nll.detach().exp(), batch_size=batch_size)
+        self.log("train/loss", loss_sum.detach() / per_token, prog_bar=True, batch_size=batch_size)  # per token
+        self.log("train/ppl", (nll_sum.detach() / per_token).exp(), batch_size=batch_size)
         self.log("train/tokens", tokens.float(), reduce_fx="sum", batch_size=batch_size)
         return loss
 
     # --- evaluation ---------------------------------------------------------------------------------------
 
-    def _evaluate(self, batch: dict[str, Any], stage: str, metric: SacreBLEUScore | Rouge, decode: bool) -> None:
-        """Loss, perplexity and decoding metrics of one batch.
+    def _evaluate(self, batch: dict[str, Any], stage: str, decode: bool) -> None:
+        """Loss, NLL and decoding metrics of one batch, accumulated over the set (logged at the epoch end).
 
         A batch that only evens out the batch count across ranks (``batch["repeat"]``) runs like any other,
         because sharded strategies need every rank to step together, but is not counted.
         """
-        loss, nll, _ = self._loss(batch)
+        loss_sum, nll_sum, tokens = self._loss(batch)
         predictions = self.decode_batch(batch) if decode else None
+        if decode:
+            self._decoded.add(stage)
         if batch.get("repeat", False):
             return
-        batch_size = batch["tgt"].shape[0]
-        self.log(f"{stage}/loss", loss, prog_bar=True, sync_dist=True, batch_size=batch_size)
-        self.log(f"{stage}/ppl", nll.exp(), sync_dist=True, batch_size=batch_size)
+        metrics = self.eval_metrics[stage]
+        per_token = tokens.clamp(min=1)
+        metrics["loss"].update(loss_sum / per_token, weight=tokens)  # weighted by tokens: the corpus mean
+        metrics["nll"].update(nll_sum / per_token, weight=tokens)
         if predictions is not None:
             references = batch["tgt_text"]
-            metric.update(predictions, [[r] for r in references] if isinstance(metric, SacreBLEUScore) else references)
-        if stage == "test" and self.test_lead_metric is not None:
+            scorer = metrics["score"]
+            scorer.update(predictions, [[r] for r in references] if isinstance(scorer, SacreBLEUScore) else references)
+        if stage == "test" and "lead" in metrics:
             lead_words = self.hparams.lead_words
             leads = [" ".join(doc.split()[:lead_words]) for doc in batch["src_text"]]
-            self.test_lead_metric.update(leads, batch["tgt_text"])
+            metrics["lead"].update(leads, batch["tgt_text"])
 
     @override
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         every = self.hparams.generate_every_n_val_epochs
         decode = every > 0 and (self.current_epoch + 1) % every == 0 and not self.trainer.sanity_checking
-        self._evaluate(batch, "val", self.val_metric, decode)
+        self._evaluate(batch, "val", decode)
 
     @override
     def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        self._evaluate(batch, "test", self.test_metric, decode=True)
+        self._evaluate(batch, "test", decode=True)
 
-    def _log_metric(self, stage: str, metric: SacreBLEUScore | Rouge, prefix: str = "") -> None:
-        if not metric.update_called:
-            return
-        value = metric.compute()
-        self.log_dict(
-            {f"{stage}/{prefix}{k}": v for k, v in value.items()}
-            if isinstance(value, dict)
-            else {f"{stage}/{prefix}bleu": value}
-        )
-        metric.reset()
+    @override
+    def on_validation_epoch_start(self) -> None:
+        self._decoded.discard("val")
+
+    @override
+    def on_test_epoch_start(self) -> None:
+        self._decoded.discard("test")
+
+    def _log_epoch(self, stage: str) -> None:
+        """Logs the set's per-token loss and perplexity (exp of the corpus NLL), and BLEU/ROUGE (0-100).
+
+        Every rank computes (``compute`` sums the states over ranks) and logs, also a rank whose batches were
+        all repeats: ``ModelCheckpoint`` reads the monitored value on every rank.
+        """
+        metrics = self.eval_metrics[stage]
+        self.log(f"{stage}/loss", metrics["loss"].compute().float(), prog_bar=True)
+        values = {f"{stage}/ppl": metrics["nll"].compute().exp().float()}
+        if stage in self._decoded:
+            scores = _percent(metrics["score"].compute(), f"{stage}/")
+            if "lead" in metrics:
+                scores |= _percent(metrics["lead"].compute(), f"{stage}/lead_")
+            values |= scores
+            signature = f" ({bleu_signature(BLEU_TOKENIZE)})" if self.hparams.task == "translation" else ""
+            printed = ", ".join(f"{k.removeprefix(stage + '/')} {float(v):.2f}" for k, v in scores.items())
+            rank_zero_info(f"{stage}: {printed}{signature}")
+        self.log_dict(values)
+        for metric in metrics.values():
+            metric.reset()
 
     @override
     def on_validation_epoch_end(self) -> None:
-        self._log_metric("val", self.val_metric)
+        self._log_epoch("val")
 
     @override
     def on_test_epoch_end(self) -> None:
-        self._log_metric("test", self.test_metric)
-        if self.test_lead_metric is not None:
-            self._log_metric("test", self.test_lead_metric, prefix="lead_")
+        self._log_epoch("test")
+
+    # --- decoding -----------------------------------------------------------------------------------------
 
     @override
     def predict_step(self, batch: dict[str, Any], batch_idx: int) -> list[str]:
         return self.decode_batch(batch)
 
     def decode_batch(self, batch: dict[str, Any]) -> list[str]:
-        """Outputs for a batch; summarization documents cut by the collator are summarized hierarchically."""
+        """Outputs for a batch; summarization documents cut by the collator are summarized hierarchically.
+
+        Ranks decode different documents, so a long one takes more ``generate`` calls on one rank than a short
+        batch on another; :meth:`_generate` and :meth:`_wait_for_other_ranks` keep their collectives in step.
+        """
         if self.hparams.task != "summarization":
-            return self.generate_text(batch["src"])
-        limit = self.trainer.datamodule.collator.max_source_tokens
+            out = self.tokenizer.decode_batch(self._generate(batch["src"]).tolist())
+            self._wait_for_other_ranks()
+            return out
         long = batch["src_truncated"]  # cut by the collator: too long for one pass
         out = [""] * len(long)
         short = [i for i, is_long in enumerate(long) if not is_long]
         if short:
             src = batch["src"][short]
             src = src[:, : int((src != self.config.pad_id).sum(dim=1).max())]  # (b, S) without shared padding
-            for i, text in zip(short, self.generate_text(src), strict=True):
+            for i, text in zip(short, self.tokenizer.decode_batch(self._generate(src).tolist()), strict=True):
                 out[i] = text
         for i in (i for i, is_long in enumerate(long) if is_long):
             out[i] = summarize(
                 self.model,
                 self.tokenizer,
                 batch["src_text"][i],
-                max_source_tokens=limit,
+                max_source_tokens=self.trainer.datamodule.collator.max_source_tokens,
                 overlap=self.hparams.chunk_overlap,
                 max_new_tokens=self.hparams.max_new_tokens,
                 num_beams=self.hparams.num_beams,
                 length_penalty=self.hparams.length_penalty,
+                generate_fn=self._generate,
             )
+        self._wait_for_other_ranks()
         return out
 
-    def generate_text(self, src: Tensor) -> list[str]:
-        """Beam-search ``src (B, S)`` and detokenize."""
-        # Sharded strategies gather parameters inside forward: every rank decodes until all ranks are done.
-        all_done = bool if self.trainer.world_size == 1 else self.trainer.strategy.reduce_boolean_decision
+    def _all_done(self) -> Callable[[bool], bool]:
+        """Maps "this rank is done" to "every rank is done": sharded strategies gather parameters inside
+        forward, so every rank keeps decoding until all are done."""
+        return bool if self.trainer.world_size == 1 else self.trainer.strategy.reduce_boolean_decision
+
+    def _any_rank(self, decision: bool) -> bool:
+        """Whether ``decision`` holds on any rank."""
+        if self.trainer.world_size == 1:
+            return decision
+        return self.trainer.strategy.reduce_boolean_decision(decision, all=False)
+
+    def _generate(self, src: Tensor) -> Tensor:
+        """Beam-search ``src (B, S)``; one call of the lockstep protocol.
+
+        Before each call every rank states whether it has one to make (a rank with none makes a dummy call
+        in :meth:`_wait_for_other_ranks`), so every rank issues the same collectives and forward passes.
+        """
+        self._any_rank(True)
         h = self.hparams
-        ids = generate(self.model, src, h.max_new_tokens, h.num_beams, h.length_penalty, all_done)
-        return self.tokenizer.decode_batch(ids.tolist())
+        return generate(self.model, src, h.max_new_tokens, h.num_beams, h.length_penalty, self._all_done())
+
+    def _wait_for_other_ranks(self) -> None:
+        """Dummy ``generate`` calls, mirroring the other ranks' real ones, until no rank has one left."""
+        if self.trainer.world_size == 1:
+            return
+        all_done = self._all_done()
+        dummy = torch.full((1, 1), self.config.eos_id, dtype=torch.long, device=self.device)  # (1, 1)
+        h = self.hparams
+        while self._any_rank(False):
+            generate(self.model, dummy, h.max_new_tokens, h.num_beams, h.length_penalty, lambda _: all_done(True))
 
     # --- optimisation -------------------------------------------------------------------------------------
 

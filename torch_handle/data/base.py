@@ -204,7 +204,9 @@ class Seq2SeqDataModule(LightningDataModule, ABC):
         dataset = self.dataset(split)
         if dataset is None:
             return []
-        world_size, rank = (1, 0) if self.trainer is None else (self.trainer.world_size, self.trainer.global_rank)
+        trainer = self.trainer
+        world_size, rank = (1, 0) if trainer is None else (trainer.world_size, trainer.global_rank)
+        train = split == "train"
         sampler = TokenBudgetBatchSampler(
             [self.collator.length(e) for e in dataset.examples],
             self.max_tokens,
@@ -212,6 +214,9 @@ class Seq2SeqDataModule(LightningDataModule, ABC):
             seed=self.seed,
             num_replicas=world_size,
             rank=rank,
+            # Training batches carry their optimizer step's target tokens, the loss's normaliser.
+            scored=[self.collator.scored_tokens(e) for e in dataset.examples] if train else None,
+            accumulate=trainer.accumulate_grad_batches if train and trainer is not None else 1,
         )
         options = {
             "batch_sampler": sampler,
@@ -220,8 +225,7 @@ class Seq2SeqDataModule(LightningDataModule, ABC):
             "pin_memory": self.pin_memory,
             "persistent_workers": self.num_workers > 0,
         }
-        if split == "train" and self.trainer is not None:  # checkpoints record its exact position mid-epoch
-            trainer = self.trainer
+        if train and trainer is not None:  # checkpoints record its exact position mid-epoch
             return ResumableDataLoader(dataset, processed=lambda: batches_processed(trainer), **options)
         return DataLoader(dataset, **options)
 

@@ -12,7 +12,8 @@ from typing_extensions import override
 
 from torch_handle.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
-# {"src": (B, S), "tgt": (B, T), "src_text": [...], "tgt_text": [...], "src_truncated": [...], "repeat": bool}
+# {"src": (B, S), "tgt": (B, T), "src_text": [...], "tgt_text": [...], "src_truncated": [...], "repeat": bool,
+#  "step_tokens": int (training batches only)}
 Batch = dict[str, Any]
 
 
@@ -22,6 +23,8 @@ class Example:
 
     ``repeat`` marks a copy that only evens out the batch count across ranks (see
     :class:`TokenBudgetBatchSampler`): it is trained on, but never counted twice in a metric.
+    ``step_tokens`` is the number of target tokens scored in the whole optimizer step the example's batch
+    belongs to (every micro-batch of every rank), the loss's normaliser; 0 when not known.
     """
 
     src_ids: list[int]
@@ -29,6 +32,19 @@ class Example:
     tgt_ids: list[int] | None = None
     tgt_text: str | None = None
     repeat: bool = False
+    step_tokens: int = 0
+
+
+class BatchIndices(list[int]):
+    """A batch's dataset indices, and the target tokens of the optimizer step it belongs to.
+
+    A ``list`` so the DataLoader treats it as any batch of indices (and pickles it to workers);
+    :meth:`ExampleDataset.__getitems__` hands ``step_tokens`` on to the collator.
+    """
+
+    def __init__(self, indices: Sequence[int], step_tokens: int) -> None:
+        super().__init__(indices)
+        self.step_tokens = step_tokens
 
 
 class ExampleDataset(Dataset[Example]):
@@ -51,6 +67,12 @@ class ExampleDataset(Dataset[Example]):
         if index >= len(self.examples):
             return dataclasses.replace(self.examples[index - len(self.examples)], repeat=True)
         return self.examples[index]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Example]:
+        """A batch (the DataLoader's batched fetch), stamped with its step's token count if it carries one."""
+        examples = [self[i] for i in indices]
+        step_tokens = getattr(indices, "step_tokens", 0)
+        return [dataclasses.replace(e, step_tokens=step_tokens) for e in examples] if step_tokens else examples
 
 
 @dataclass(frozen=True)
@@ -75,6 +97,10 @@ class Collator:
             return []
         return [BOS_ID] + example.tgt_ids[: self.max_target_tokens - 2] + [EOS_ID]
 
+    def scored_tokens(self, example: Example) -> int:
+        """Target tokens the loss scores (all but ``<bos>``): what the example weighs in the loss."""
+        return max(len(self.target_ids(example)) - 1, 0)
+
     def length(self, example: Example) -> int:
         """The longer of the two rows: what the example costs in a token budget."""
         return max(len(self.source_ids(example)), len(self.target_ids(example)))
@@ -89,6 +115,8 @@ class Collator:
             "src_truncated": [len(e.src_ids) > self.max_source_tokens - 1 for e in examples],
             "repeat": all(e.repeat for e in examples),
         }
+        if examples and examples[0].step_tokens:  # training batches: the loss's normaliser
+            batch["step_tokens"] = examples[0].step_tokens
         if all(has_target):
             batch["tgt"] = _pad([self.target_ids(e) for e in examples])
             batch["tgt_text"] = [e.tgt_text for e in examples]
@@ -113,6 +141,11 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
     and takes a strided shard, padded by repetition (or trimmed with ``drop_last``) so that all ranks run
     the same number of steps, as ``DistributedSampler`` does; the trainer must therefore not inject its
     own distributed sampler (``Trainer(use_distributed_sampler=False)``).
+
+    Because every rank knows every rank's batches, each batch also carries (as :class:`BatchIndices`) the
+    target tokens of its whole optimizer step: ``accumulate`` micro-batches on each of ``num_replicas``
+    ranks, the last window of an epoch shorter, as Lightning steps at the epoch end. The loss divides by it,
+    so every token of a step weighs the same, without a collective.
     """
 
     def __init__(
@@ -124,6 +157,8 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         num_replicas: int = 1,
         rank: int = 0,
         drop_last: bool = False,
+        scored: Sequence[int] | None = None,
+        accumulate: int = 1,
     ) -> None:
         """Builds the sampler; batches are cut lazily in ``__iter__``.
 
@@ -136,11 +171,16 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
             rank: This rank, in ``[0, num_replicas)``.
             drop_last: Drop the tail batches that do not divide evenly across ranks instead of repeating
                 batches from the start.
+            scored: Target tokens the loss scores in each example (:meth:`Collator.scored_tokens`); None
+                leaves ``step_tokens`` at 0 (evaluation needs none).
+            accumulate: Micro-batches per optimizer step on each rank (``Trainer(accumulate_grad_batches)``).
         """
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be positive, got {max_tokens}")
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} is outside [0, {num_replicas})")
+        if accumulate < 1:
+            raise ValueError(f"accumulate must be positive, got {accumulate}")
         self.lengths = [max(1, int(n)) for n in lengths]
         self.max_tokens = max_tokens
         self.shuffle = shuffle
@@ -148,6 +188,8 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         self.num_replicas = num_replicas
         self.rank = rank
         self.drop_last = drop_last
+        self.scored = None if scored is None else [int(n) for n in scored]
+        self.accumulate = accumulate
         self.epoch = 0
         self._resume_at: tuple[int, int] | None = None  # (epoch, batches to skip) from load_state_dict
         self._batches_done = 0
@@ -209,8 +251,8 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
             self._batches_done += 1
             yield batch
 
-    def _rank_batches(self) -> list[list[int]]:
-        """This rank's batches for the current epoch."""
+    def _rank_batches(self) -> list[BatchIndices]:
+        """This rank's batches for the current epoch, each with its optimizer step's target tokens."""
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
         n = len(self.lengths)
         tiebreak = torch.randperm(n, generator=generator).tolist() if self.shuffle else range(n)
@@ -223,7 +265,21 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
             # (sharded strategies need every rank to step together) without counting them twice.
             repeats = [[i + n for i in batch] for batch in batches]
             batches = (batches + repeats * math.ceil(total / len(batches)))[:total]
-        return batches[self.rank : total : self.num_replicas]
+        batches = batches[:total]
+        # Micro-batch j of rank r is global batch j * num_replicas + r; a step spans `accumulate` of them per rank.
+        window = self.accumulate * self.num_replicas
+        steps = [self._scored(batches[start : start + window]) for start in range(0, total, window)]
+        return [
+            BatchIndices(batches[j * self.num_replicas + self.rank], steps[j // self.accumulate])
+            for j in range(self._per_rank)
+        ]
+
+    def _scored(self, batches: list[list[int]]) -> int:
+        """Target tokens scored in ``batches`` (repeats included: they are trained on); 0 without ``scored``."""
+        if self.scored is None:
+            return 0
+        n = len(self.scored)
+        return sum(self.scored[i % n] for batch in batches for i in batch)
 
     def _cut(self, order: list[int]) -> list[list[int]]:
         """Greedily cuts indices sorted by ascending length into batches within the budget."""

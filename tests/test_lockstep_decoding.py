@@ -1,0 +1,137 @@
+"""Two processes summarize documents of mixed lengths in lockstep, and write what one process writes.
+
+A document longer than the context is summarized hierarchically, in a number of ``generate`` calls that
+depends on its length and on what the model writes; a batch of short documents takes one. Every rank must
+still issue the same collectives and forward passes (ZeRO-3 gathers parameters in each), or DDP fails with
+a collective mismatch (which gloo reports under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``; without it, mismatched
+collectives of equal sizes pass silently) and ZeRO-3 hangs: each run has a timeout, so a hang fails the test.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from tests.helpers import STRATEGY_CONFIGS, check, cli
+from torch_handle.export import export
+
+WORDS = [f"{a}{b}{c}" for a in "bdgkmpst" for b in "aeiou" for c in "lnr"]
+MODEL = [
+    "--model.transformer.d_model", "32",
+    "--model.transformer.num_heads", "2",
+    "--model.transformer.num_encoder_layers", "1",
+    "--model.transformer.num_decoder_layers", "1",
+    "--model.transformer.d_ff", "64",
+    "--model.transformer.dropout", "0",
+    "--model.transformer.max_len", "64",
+]  # fmt: skip
+COMMON = [
+    "--trainer.accelerator", "cpu",
+    "--trainer.enable_progress_bar", "false",
+    "--trainer.enable_model_summary", "false",
+    "--trainer.logger", "false",
+    "--model.task", "summarization",
+    "--model.max_new_tokens", "8",
+    "--data", "torch_handle.data.SummarizationDataModule",
+    "--data.init_args.max_source_tokens", "24",  # the context: long documents take several windows and levels
+    "--data.init_args.max_target_tokens", "16",
+    "--data.init_args.max_tokens", "64",  # two long or four short documents per batch
+]  # fmt: skip
+
+
+def _documents(rng: random.Random, count: int, words: tuple[int, int]) -> list[dict[str, str]]:
+    return [
+        {"document": " ".join(rng.choices(WORDS, k=rng.randint(*words))), "summary": " ".join(rng.choices(WORDS, k=4))}
+        for _ in range(count)
+    ]
+
+
+def _write_jsonl(path: Path, rows: list[dict[str, str]]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+class OutputRecorder(Callback):
+    """Writes ``{document: output}`` of the counted test batches to ``{default_root_dir}/outputs.rank{R}.json``."""
+
+    @override
+    def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        outputs: dict[str, Any] = {"long": 0}
+        decode = pl_module.decode_batch
+
+        def recording(batch: dict[str, Any]) -> list[str]:
+            texts = decode(batch)
+            if not batch["repeat"]:
+                outputs.update(zip(batch["src_text"], texts, strict=True))
+                outputs["long"] += sum(batch["src_truncated"])
+            return texts
+
+        pl_module.decode_batch = recording
+        self.outputs = outputs
+
+    @override
+    def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        path = Path(trainer.default_root_dir) / f"outputs.rank{trainer.global_rank}.json"
+        path.write_text(json.dumps(self.outputs))
+
+
+@pytest.fixture(scope="module")
+def summarizer(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A tiny summarizer exported after one training step, and a test set of 4 short and 2 long documents: one
+    batch of each, so one rank decodes only short documents and the other only long ones."""
+    root = tmp_path_factory.mktemp("lockstep")
+    rng = random.Random(0)
+    train = _write_jsonl(root / "train.jsonl", _documents(rng, 12, (5, 60)))
+    test = _write_jsonl(root / "test.jsonl", _documents(rng, 4, (2, 4)) + _documents(rng, 2, (40, 90)))
+    args = [
+        "fit", *MODEL, *COMMON,
+        "--trainer.default_root_dir", str(root / "fit"),
+        "--trainer.devices", "1",
+        "--trainer.max_steps", "1",
+        "--trainer.limit_val_batches", "0",
+        "--data.init_args.train_file", str(train),
+        "--data.init_args.bpe_vocab_size", "300",
+    ]  # fmt: skip
+    check(cli(args))
+    return export(root / "fit" / "checkpoints" / "last.ckpt", root / "model.safetensors"), test
+
+
+def _test_outputs(model: Path, test: Path, root: Path, *strategy: str) -> tuple[dict[str, str], int]:
+    args = [
+        "test", *COMMON, *strategy,
+        "--ckpt_path", str(model),
+        "--trainer.default_root_dir", str(root),
+        "--trainer.callbacks+=tests.test_lockstep_decoding.OutputRecorder",
+        "--data.init_args.test_file", str(test),
+        "--model.num_beams", "2",
+        "--model.chunk_overlap", "4",
+    ]  # fmt: skip
+    # DETAIL checks that every rank issues the same collective with the same shapes, or fails naming both.
+    check(cli(args, TORCH_DISTRIBUTED_DEBUG="DETAIL"))
+    outputs: dict[str, str] = {}
+    long = 0
+    for path in sorted(root.glob("outputs.rank*.json")):
+        rank = json.loads(path.read_text())
+        long += rank.pop("long")
+        assert not rank.keys() & outputs.keys(), "no document is decoded by two ranks"
+        outputs |= rank
+    return outputs, long
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_mixed_length_summaries_on_two_processes_equal_one_process(
+    strategy: str, summarizer: tuple[Path, Path], tmp_path: Path
+) -> None:
+    model, test = summarizer
+    expected, long = _test_outputs(model, test, tmp_path / "single", "--trainer.devices", "1")
+    assert len(expected) == 6 and long == 2, "short and long documents, decoded"
+    outputs, _ = _test_outputs(model, test, tmp_path / strategy, "--config", STRATEGY_CONFIGS[strategy])
+    assert outputs == expected
