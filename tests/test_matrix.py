@@ -171,10 +171,11 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _first_error(run: subprocess.CompletedProcess) -> str:
-    """The line that says what went wrong: an ``error:`` line, else the first exception raised, which in a
-    multi-process run is the cause (the other rank's connection errors follow it)."""
+    """The line that says what went wrong: an ``error:`` line, else the first exception raised (Python's, or
+    a C++ one that aborted a rank), which in a multi-process run is the cause: the other rank's connection
+    errors follow it."""
     lines = run.stderr.splitlines()
-    exception = re.compile(r"^(\[rank\d+\]: )?[\w.]*(Error|Exception|Interrupt)\b")
+    exception = re.compile(r"^(\[rank\d+\]: )?([\w.]*(Error|Exception|Interrupt)\b|\s*what\(\):)")  # what(): C++
     return next(
         (line for line in lines if line.startswith("error:")),
         next((line for line in lines if exception.match(line)), f"exit {run.returncode}"),
