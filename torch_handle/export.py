@@ -87,7 +87,8 @@ def _config_and_tokenizer(path: Path, state: dict[str, Any]) -> tuple[Transforme
 
 
 def read_checkpoint(checkpoint: str | Path) -> tuple[dict[str, Tensor], TransformerConfig, str]:
-    """The Transformer's float32 weights, its config and the tokenizer JSON of any training checkpoint.
+    """The Transformer's float32 weights, its config (with ``attention_backend='auto'``) and the tokenizer JSON of
+    any training checkpoint.
 
     Args:
         checkpoint: A ``.ckpt`` file, a DeepSpeed checkpoint folder or an FSDP sharded checkpoint folder.
@@ -95,6 +96,7 @@ def read_checkpoint(checkpoint: str | Path) -> tuple[dict[str, Tensor], Transfor
     path = check_checkpoint(checkpoint)
     state = _lightning_state(path)
     config, tokenizer = _config_and_tokenizer(path, state)
+    config = dataclasses.replace(config, attention_backend="auto")  # the loading machine picks its kernel
     weights = {
         k.removeprefix(MODEL_PREFIX): v.detach().float().contiguous().clone()  # clone: tied weights share storage
         for k, v in state["state_dict"].items()
@@ -116,8 +118,7 @@ def export(checkpoint: str | Path, output: str | Path) -> Path:
     weights, config, tokenizer = read_checkpoint(checkpoint)
     path = Path(checkpoint)
     output = Path(output)
-    portable = dataclasses.replace(config, attention_backend="auto")  # the loading machine picks its kernel
-    metadata = {"format": FORMAT, "transformer": json.dumps(portable.to_dict()), "tokenizer": tokenizer}
+    metadata = {"format": FORMAT, "transformer": json.dumps(config.to_dict()), "tokenizer": tokenizer}
     with atomic_path(output) as tmp:  # an interrupted export leaves no file that looks complete
         save_file(weights, tmp, metadata=metadata)
     log.info("exported %d tensors from %s to %s", len(weights), path, output)
