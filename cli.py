@@ -16,7 +16,7 @@ from typing_extensions import override
 
 from callbacks.checkpointing import Checkpoint
 from callbacks.prediction_writer import PredictionWriter
-from torch_handle.checkpoints import TOKENIZER_FILE, CheckpointError, check_checkpoint, last_checkpoint
+from torch_handle.checkpoints import TOKENIZER_FILE, CheckpointError, resolve_ckpt_path
 from torch_handle.data.base import Seq2SeqDataModule
 from torch_handle.errors import DataError, SetupError
 from torch_handle.export import configure_from_exported, exported_weights, is_exported
@@ -62,15 +62,17 @@ class TorchHandleCLI(LightningCLI):
     @override
     def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
         """Also resolves ``--ckpt_path`` (by default the run's last checkpoint) and checks it before Lightning
-        loads it for its hyper-parameters: a bad path is a one-line error, and no model option is repeated."""
+        loads it for its hyper-parameters (or ``fit`` resumes from it): a bad or unsafe path is a one-line error,
+        an interrupted save is recovered, and no model option is repeated."""
         super().parse_arguments(parser, args)
         subcommand = self.config.get("subcommand")
-        if subcommand not in ("validate", "test", "predict") or is_exported(self.config[subcommand].ckpt_path or ""):
+        if subcommand not in ("fit", "validate", "test", "predict") or is_exported(
+            self.config[subcommand].ckpt_path or ""
+        ):
             return
         config = self.config[subcommand]
         folder = checkpoint_dir(config.trainer.default_root_dir)
-        ckpt = last_checkpoint(folder) if config.ckpt_path in (None, "last") else check_checkpoint(config.ckpt_path)
-        config.ckpt_path = str(ckpt)
+        config.ckpt_path = resolve_ckpt_path(config.ckpt_path, folder, fit=subcommand == "fit")
 
     def before_instantiate_classes(self) -> None:
         """Evaluation without ``--ckpt_path`` uses the run's last checkpoint, and its tokenizer."""
