@@ -135,14 +135,20 @@ def _evil_ckpt(folder: Path, marker: Path) -> Path:
 
 
 def _evil_zero2(folder: Path, marker: Path) -> Path:
-    """A ZeRO-2 folder as DeepSpeed writes it, with a payload in a rank's optimizer shard."""
+    """A ZeRO-2 folder as DeepSpeed writes it, with a payload in a rank's optimizer shard (which DeepSpeed loads
+    with ``weights_only=False`` once the model states parse)."""
     path = folder / "last.ckpt"
     (path / "checkpoint").mkdir(parents=True)
     (path / "latest").write_text("checkpoint")
-    torch.save(
-        {"module": {"model.w": torch.zeros(2)}, "ds_version": "0.19"},
-        path / "checkpoint" / "mp_rank_00_model_states.pt",
-    )
+    model_states = {
+        "module": {"model.w": torch.zeros(2)},
+        "buffer_names": [],
+        "param_shapes": [{"model.w": torch.Size([2])}],
+        "shared_params": {},
+        "ds_version": "0.19.8",
+        "state_dict": {},
+    }
+    torch.save(model_states, path / "checkpoint" / "mp_rank_00_model_states.pt")
     shard = path / "checkpoint" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
     torch.save({"optimizer_state_dict": {"zero_stage": 2, "payload": Payload(marker)}}, shard)
     return path
