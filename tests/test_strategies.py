@@ -192,7 +192,7 @@ def test_fsdp_on_a_data_config_clips_gradients_as_one_process(tmp_path: Path) ->
     assert list(actual) == list(expected) == list(range(2 * STEPS))
     for index, loss in expected.items():
         assert actual[index] == pytest.approx(loss, abs=LOSS_TOLERANCE), f"batch {index}"
-    assert max(abs(unclipped[i] - expected[i]) for i in expected) > 100 * LOSS_TOLERANCE, "clipping did not bite"
+    assert max(abs(unclipped[i] - expected[i]) for i in expected) > 10 * LOSS_TOLERANCE, "clipping did not bite"
 
 
 @pytest.mark.slow

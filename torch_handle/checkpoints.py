@@ -32,8 +32,13 @@ CONFIG_FILE = "transformer.json"
 # A module built in Python keeps its config as a dataclass in the checkpoint's hyper-parameters.
 torch.serialization.add_safe_globals([TransformerConfig])
 
-# DeepSpeed's optimizer shards pickle these two plain classes (an enum and a loss scaler's attributes).
-_DEEPSPEED_GLOBALS = {"deepspeed.runtime.zero.config.ZeroStageEnum", "deepspeed.runtime.fp16.loss_scaler.LossScaler"}
+# DeepSpeed's optimizer shards pickle these plain classes: an enum, a loss scaler's attributes, and (ZeRO-1/2) a
+# dataclass of two ints; rebuilding them calls no code of the file's choosing.
+_DEEPSPEED_GLOBALS = {
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+}
 # Opcodes that reach a callable other than through a literal GLOBAL name; torch.save never writes them.
 _OPAQUE_OPCODES = {"STACK_GLOBAL", "INST", "OBJ", "EXT1", "EXT2", "EXT4"}
 _PICKLE_SUFFIXES = {".pt", ".pth", ".ckpt", ".bin", ".pkl"}  # files DeepSpeed and Lightning hand to torch.load
@@ -196,15 +201,14 @@ def _check_globals(pickled: bytes, file: Path, checkpoint: Path) -> None:
     """Every global a ``torch.save`` pickle names must be one that ``torch.load(weights_only=True)`` allows."""
     allowed = _get_allowed_globals().keys() | _get_user_allowed_globals().keys() | _DEEPSPEED_GLOBALS
     try:
-        for opcode, arg, _ in pickletools.genops(pickled):
-            if opcode.name in _OPAQUE_OPCODES:
-                raise _refuse(
-                    file, checkpoint, f"holds the pickle opcode {opcode.name}, which weights-only loading refuses"
-                )
-            if opcode.name == "GLOBAL" and str(arg).replace(" ", ".") not in allowed:
-                raise _refuse(file, checkpoint, f"pickles {str(arg).replace(' ', '.')!r}, which is not plain data")
+        opcodes = [(opcode.name, arg) for opcode, arg, _ in pickletools.genops(pickled)]
     except ValueError as err:  # a truncated or corrupt pickle
         raise _refuse(file, checkpoint, f"holds an unreadable pickle ({err})") from err
+    for name, arg in opcodes:
+        if name in _OPAQUE_OPCODES:
+            raise _refuse(file, checkpoint, f"holds the pickle opcode {name}, which weights-only loading refuses")
+        if name == "GLOBAL" and str(arg).replace(" ", ".") not in allowed:
+            raise _refuse(file, checkpoint, f"pickles {str(arg).replace(' ', '.')!r}, which is not plain data")
 
 
 class _MetadataUnpickler(pickle.Unpickler):
