@@ -121,9 +121,10 @@ def _compiled_block_mask() -> Callable[..., object]:
 # block. Compiling costs seconds per new shape, so only large grids (long inputs) take that path.
 _COMPILE_BLOCK_MASK_AT = 2**24
 # On CPU flex runs eagerly: Inductor's CPU flex kernel returns wrong numbers at some lengths (24, 40, 104, 120
-# in torch 2.13), and eager flex is exact. Eager flex writes out the Tq x Tk scores, so longer inputs are
-# refused there rather than run out of memory; sdpa's blocked local attention handles them.
-_CPU_FLEX_MAX_GRID = _COMPILE_BLOCK_MASK_AT
+# in torch 2.13), and eager flex is exact. Eager flex writes out the (B, H, Tq, Tk) scores, about 1 GiB at
+# peak for 2**26 of them (4096 x 4096, 4 heads), so larger calls are refused there rather than run out of
+# memory; sdpa's blocked local attention handles them in O(S * window).
+_CPU_FLEX_MAX_SCORES = 2**26
 
 
 def _flex(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, dropout_p: float) -> Tensor:
@@ -138,10 +139,10 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, dropout_p: float) -> 
         raise BackendUnavailableError(
             "attention_backend='flex' has no backward pass on CPU: train with 'sdpa' (or 'auto') there"
         )
-    if on_cpu and q.shape[-2] * k.shape[-2] > _CPU_FLEX_MAX_GRID:
+    if on_cpu and q.shape[0] * q.shape[1] * q.shape[-2] * k.shape[-2] > _CPU_FLEX_MAX_SCORES:
         raise BackendUnavailableError(
-            f"attention_backend='flex' runs eagerly on CPU and would hold a {q.shape[-2]} x {k.shape[-2]} score "
-            "matrix: use attention_backend='sdpa' (or 'auto') for inputs this long there"
+            f"attention_backend='flex' runs eagerly on CPU and would hold {q.shape[0] * q.shape[1]} x {q.shape[-2]} x "
+            f"{k.shape[-2]} scores: use attention_backend='sdpa' (or 'auto') for inputs this long there"
         )
     pad, window, causal, offset, slopes = spec.key_padding, spec.window, spec.causal, spec.q_offset, spec.alibi
 
