@@ -19,7 +19,7 @@ from callbacks.prediction_writer import PredictionWriter
 from torch_handle.checkpoints import TOKENIZER_FILE, CheckpointError, resolve_ckpt_path
 from torch_handle.data.base import Seq2SeqDataModule
 from torch_handle.errors import DataError, SetupError
-from torch_handle.export import configure_from_exported, exported_weights, is_exported
+from torch_handle.export import configure_from_exported, exported_metadata, exported_weights, is_exported
 from torch_handle.model import BackendUnavailableError, ConfigError
 from torch_handle.module import Seq2SeqModule
 
@@ -66,11 +66,12 @@ class TorchHandleCLI(LightningCLI):
         an interrupted save is recovered, and no model option is repeated."""
         super().parse_arguments(parser, args)
         subcommand = self.config.get("subcommand")
-        if subcommand not in ("fit", "validate", "test", "predict") or is_exported(
-            self.config[subcommand].ckpt_path or ""
-        ):
+        if subcommand not in ("fit", "validate", "test", "predict"):
             return
         config = self.config[subcommand]
+        if is_exported(config.ckpt_path or ""):
+            exported_metadata(config.ckpt_path)  # before LightningCLI torch.loads it for hyper-parameters
+            return
         folder = checkpoint_dir(config.trainer.default_root_dir)
         config.ckpt_path = resolve_ckpt_path(config.ckpt_path, folder, fit=subcommand == "fit")
 
