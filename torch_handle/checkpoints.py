@@ -226,10 +226,16 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def _check_dcp(file: Path, checkpoint: Path) -> None:
-    """The ``.metadata`` pickle, then every item it points to (each a ``torch.save`` archive in a shard)."""
+    """The ``.metadata`` pickle, then every non-tensor item it points to: torch.distributed.checkpoint loads those
+    ``torch.save`` archives with ``weights_only=False`` (tensors with ``weights_only=True``)."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
     try:
         metadata = _MetadataUnpickler(io.BytesIO(file.read_bytes())).load()
-        items = metadata.storage_data.values()
+        kinds = metadata.state_dict_metadata
+        items = [
+            info for index, info in metadata.storage_data.items() if isinstance(kinds[index.fqn], BytesStorageMetadata)
+        ]
     except Exception as err:  # an UnpicklingError, or anything a corrupt pickle raises
         raise _refuse(file, checkpoint, f"is not plain checkpoint metadata ({' '.join(str(err).split())})") from err
     for item in items:
