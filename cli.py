@@ -22,7 +22,7 @@ from typing_extensions import override
 from callbacks.checkpointing import Checkpoint
 from callbacks.prediction_writer import PredictionWriter
 from torch_handle.atomic import lock_run_folder
-from torch_handle.checkpoints import TOKENIZER_FILE, CheckpointError, check_checkpoint, last_checkpoint
+from torch_handle.checkpoints import TOKENIZER_FILE, CheckpointError, resolve_ckpt_path
 from torch_handle.data.base import Seq2SeqDataModule
 from torch_handle.errors import DataError, SetupError
 from torch_handle.export import configure_from_exported, exported_weights, is_exported
@@ -88,15 +88,16 @@ class TorchHandleCLI(LightningCLI):
         """Done in :meth:`parse_arguments`, which keeps the user's runtime options (Lightning's drops them)."""
 
     def _resolve_checkpoint(self, config: Namespace) -> Path | None:
-        """The checked ``--ckpt_path`` (None when there is none, or Lightning resolves a keyword for ``fit``)."""
+        """The checked ``--ckpt_path``, before any pickle in it is read: ``last`` (by default for evaluation) is
+        the run's last checkpoint, recovered from an interrupted save; None when there is none to load."""
         path = config.get("ckpt_path")
         if is_exported(path or ""):
-            return None
-        if self.config.subcommand in EVALUATE:
-            folder = checkpoint_dir(config.trainer.default_root_dir)
-            config.ckpt_path = str(last_checkpoint(folder) if path in (None, "last") else check_checkpoint(path))
-            return Path(config.ckpt_path)
-        return None if path is None or path in RESUME_KEYWORDS else check_checkpoint(path)
+            return None  # checked and loaded by configure_from_exported
+        if self.config.subcommand == "fit" and path in RESUME_KEYWORDS[1:]:
+            return None  # hpc and registry: Lightning resolves them
+        folder = checkpoint_dir(config.trainer.default_root_dir)
+        config.ckpt_path = resolve_ckpt_path(path, folder, fit=self.config.subcommand == "fit")
+        return None if config.ckpt_path in (None, "last") else Path(config.ckpt_path)
 
     def _use_checkpoint_options(
         self, parser: LightningArgumentParser, subcommand: str, ckpt: Path, args: list[str]

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from torch_handle.model import Transformer, TransformerConfig, alibi_slopes, sinusoidal_table
-from torch_handle.model.kernels import attend
+from torch_handle.model.kernels import BackendUnavailableError, attend
 from torch_handle.model.masks import MaskSpec
 from torch_handle.model.positions import apply_rope, rope_angles, rope_inv_freq
 
@@ -98,6 +98,39 @@ def test_flex_matches_naive(position: str, attention: str) -> None:
     torch.testing.assert_close(flex.eval()(src, tgt), reference.eval()(src, tgt))
 
 
+FLEX_LENGTHS = sorted({*range(1, 130, 9), 24, 40, 104, 120})  # the four where compiled CPU flex was wrong
+
+
+@torch.no_grad()
+def test_flex_on_cpu_is_exact_at_every_length() -> None:
+    """Inductor's CPU flex kernel (torch 2.13) returned wrong numbers at some lengths; flex must never be silently
+    wrong, so every mask kind is compared with the naive kernel at many lengths."""
+    b, h, d = 2, 4, 8
+    worst: dict[str, float] = {}
+    for s in FLEX_LENGTHS:
+        padding = torch.zeros(b, s, dtype=torch.bool)
+        padding[1, max(s - s // 3, 1) :] = True
+        specs = {
+            "padded": (s, MaskSpec(key_padding=padding)),
+            "causal": (s, MaskSpec(causal=True)),
+            "local_alibi": (s, MaskSpec(key_padding=padding, window=3, alibi=alibi_slopes(h))),
+            "cross": (9, MaskSpec(key_padding=padding)),
+            "decode": (1, MaskSpec(causal=True, q_offset=s - 1)),
+        }
+        for name, (tq, spec) in specs.items():
+            q, k, v = torch.randn(b, h, tq, d), torch.randn(b, h, s, d), torch.randn(b, h, s, d)
+            error = (attend(q, k, v, spec, "flex") - attend(q, k, v, spec, "naive")).abs().max().item()
+            worst[f"{name}@{s}"] = error
+    assert max(worst.values()) < 1e-5, {key: f"{e:.1e}" for key, e in worst.items() if e >= 1e-5}
+
+
+def test_flex_on_cpu_refuses_inputs_too_long_for_eager_attention() -> None:
+    """Eager flex writes out the score matrix: at 16k tokens it would need GiBs, so CPU refuses it in one line."""
+    q = torch.randn(1, 1, 16384, 8)
+    with pytest.raises(BackendUnavailableError, match="^attention_backend='flex' runs eagerly on CPU.*'sdpa'"):
+        attend(q, q, q, MaskSpec(window=64), "flex")
+
+
 # --- local attention against a dense reference built from an explicit S x S mask ------------------------
 
 
@@ -156,7 +189,7 @@ _MEMORY_PROBE = textwrap.dedent(
     """
     import re, sys
     import torch
-    from torch_handle.model.kernels import attend
+    from torch_handle.model.kernels import BackendUnavailableError, attend
     from torch_handle.model.masks import MaskSpec
 
     def status_kib(field):

@@ -16,12 +16,15 @@ from tests.helpers import (
     SINGLE,
     STEPS,
     STRATEGY_CONFIGS,
+    TINY,
     check,
     cli,
     env,
     fit_args,
     free_port,
+    reference_args,
     reference_run,
+    strategy_args,
     train_losses,
 )
 from torch_handle.checkpoints import CheckpointError
@@ -164,3 +167,58 @@ def test_two_nodes_on_localhost_train_as_ddp(base: Path, tmp_path: Path) -> None
     for index, loss in actual.items():
         assert loss == pytest.approx(expected[index], abs=1e-6)
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+DEMO = "configs/demo.yaml"
+CLIP = ["--trainer.gradient_clip_val", "0.05"]  # well under the tiny model's gradient norms: every step clips
+LOGGER = ["--trainer.logger", "true"]  # demo.yaml's LearningRateMonitor needs one (TINY turns it off)
+
+
+def _demo_fit(name: str, root: Path, *extra: str) -> list[str]:
+    """``reference_args`` of strategy ``name`` on the shipped demo config (tied embeddings, clipping)."""
+    args = reference_args(name, root, *extra)
+    return [args[0], "--config", DEMO, *args[1:], *LOGGER]
+
+
+@pytest.mark.slow
+def test_fsdp_on_a_data_config_clips_gradients_as_one_process(tmp_path: Path) -> None:
+    """Every data config sets ``gradient_clip_val``; FSDP clips through its sharded ``clip_grad_norm_`` and so
+    follows the single process's clipped loss curve, which differs from the unclipped one."""
+    roots = {run: tmp_path / run for run in ("single", "fsdp", "unclipped")}
+    check(cli(_demo_fit(SINGLE, roots["single"], *CLIP)))
+    check(cli(_demo_fit("fsdp", roots["fsdp"], *CLIP)))
+    check(cli(_demo_fit(SINGLE, roots["unclipped"], "--trainer.gradient_clip_val", "0")))
+    expected, actual, unclipped = (train_losses(root) for root in roots.values())
+    assert list(actual) == list(expected) == list(range(2 * STEPS))
+    for index, loss in expected.items():
+        assert actual[index] == pytest.approx(loss, abs=LOSS_TOLERANCE), f"batch {index}"
+    assert max(abs(unclipped[i] - expected[i]) for i in expected) > 10 * LOSS_TOLERANCE, "clipping did not bite"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_zero3_folder_tests_and_exports(tied: bool, base: Path, tmp_path: Path) -> None:
+    """fit -> test from the ZeRO-3 folder -> export, with and without tied embeddings."""
+    if tied:
+        root = tmp_path / "run"
+        check(cli(_demo_fit("zero3", root)))
+    else:
+        root = reference_run("zero3", base)
+    folder = root / "checkpoints" / "last.ckpt"
+    test_args = [
+        "test", *(["--config", DEMO] if tied else []), *strategy_args("zero3"), *TINY,
+        "--trainer.default_root_dir", str(root),
+        "--trainer.limit_test_batches", "2",
+        "--model.num_beams", "1",
+        *(LOGGER if tied else []),
+    ]  # fmt: skip
+    check(cli(test_args))
+
+    model, _ = load_exported(export(folder, tmp_path / "model.safetensors"))
+    assert model.config.tie_embeddings is tied
+    gathered = get_fp32_state_dict_from_zero_checkpoint(str(folder))
+    for name, tensor in model.state_dict().items():
+        if f"model.{name}" in gathered:  # DeepSpeed keeps a tied weight under one of its names
+            torch.testing.assert_close(tensor, gathered[f"model.{name}"], atol=0, rtol=0)
+    if tied:
+        assert model.src_embed.weight is model.tgt_embed.weight

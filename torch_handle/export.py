@@ -4,18 +4,21 @@ Accepts a Lightning ``.ckpt`` file (single device, DDP), a DeepSpeed ZeRO-1/2/3 
 FSDP sharded checkpoint folder. The output holds the Transformer's weights in float32 and, in the
 safetensors metadata, the model config and the tokenizer as JSON, so that :func:`load_exported` rebuilds a
 model that decodes exactly as it was trained, on one CPU, with no Lightning, DeepSpeed or process group.
+The attention backend is not part of an export (it is written as ``auto``): the loading machine picks its own,
+so a model trained with xformers on a GPU loads on a CPU. A damaged or foreign file is refused in one line.
 """
 
 from __future__ import annotations
 
 import argparse
 import atexit
+import dataclasses
 import json
 import logging
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import torch
 from safetensors import safe_open
@@ -28,10 +31,12 @@ from torch_handle.checkpoints import (
     TOKENIZER_FILE,
     CheckpointError,
     check_checkpoint,
+    deepspeed_state,
     is_deepspeed_checkpoint,
+    with_tied_weights,
 )
 from torch_handle.data.tokenizer import Tokenizer
-from torch_handle.model import Transformer, TransformerConfig
+from torch_handle.model import ConfigError, Transformer, TransformerConfig
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +54,7 @@ def _lightning_state(path: Path) -> dict[str, Any]:
     if path.is_file():
         return torch.load(path, map_location="cpu", weights_only=True)
     if is_deepspeed_checkpoint(path):
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        tag = (path / "latest").read_text().strip()
-        client = torch.load(next((path / tag).glob("*model_states.pt")), map_location="cpu", weights_only=True)
-        return {**client, "state_dict": get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag)}
+        return deepspeed_state(path)
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -86,7 +87,8 @@ def _config_and_tokenizer(path: Path, state: dict[str, Any]) -> tuple[Transforme
 
 
 def read_checkpoint(checkpoint: str | Path) -> tuple[dict[str, Tensor], TransformerConfig, str]:
-    """The Transformer's float32 weights, its config and the tokenizer JSON of any training checkpoint.
+    """The Transformer's float32 weights, its config (with ``attention_backend='auto'``) and the tokenizer JSON of
+    any training checkpoint.
 
     Args:
         checkpoint: A ``.ckpt`` file, a DeepSpeed checkpoint folder or an FSDP sharded checkpoint folder.
@@ -94,12 +96,15 @@ def read_checkpoint(checkpoint: str | Path) -> tuple[dict[str, Tensor], Transfor
     path = check_checkpoint(checkpoint)
     state = _lightning_state(path)
     config, tokenizer = _config_and_tokenizer(path, state)
+    config = dataclasses.replace(config, attention_backend="auto")  # the loading machine picks its kernel
     weights = {
         k.removeprefix(MODEL_PREFIX): v.detach().float().contiguous().clone()  # clone: tied weights share storage
         for k, v in state["state_dict"].items()
         if k.startswith(MODEL_PREFIX)
     }
-    Transformer(config).load_state_dict(weights, strict=True)  # fails here, not at load time, on a mismatch
+    model = Transformer(config)
+    weights = {k: v.clone() for k, v in with_tied_weights(weights, model).items()}  # DeepSpeed keeps one name
+    model.load_state_dict(weights, strict=True)  # fails here, not at load time, on a mismatch
     return weights, config, tokenizer
 
 
@@ -121,7 +126,8 @@ def export(checkpoint: str | Path, output: str | Path) -> Path:
 
 
 def exported_metadata(path: str | Path) -> tuple[TransformerConfig, Tokenizer]:
-    """The model config and tokenizer stored in an exported file, without reading its weights.
+    """The model config and tokenizer stored in an exported file, checked against its tensors' names and shapes
+    without reading their data.
 
     Args:
         path: A file written by :func:`export`.
@@ -132,11 +138,68 @@ def exported_metadata(path: str | Path) -> tuple[TransformerConfig, Tokenizer]:
     try:
         with safe_open(path, framework="pt") as f:
             metadata = f.metadata() or {}
-    except Exception as err:  # safetensors raises its own error types for a non-safetensors file
-        raise CheckpointError(f"{path} is not a safetensors file: {err}") from err
+            shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+    except Exception as err:  # safetensors raises its own error types for a non-safetensors or truncated file
+        raise CheckpointError(f"{path} is not a safetensors file ({_one_line(err)}): export the model again") from err
+    redo = "export it again with python -m torch_handle.export"
     if metadata.get("format") != FORMAT:
-        raise CheckpointError(f"{path} was not written by torch_handle.export (no {FORMAT} metadata)")
-    return TransformerConfig(**json.loads(metadata["transformer"])), Tokenizer.from_str(metadata["tokenizer"])
+        raise CheckpointError(f"{path} was not written by torch_handle.export (no {FORMAT} metadata): {redo}")
+    config = _exported_config(path, metadata.get("transformer"), redo)
+    try:
+        tokenizer = Tokenizer.from_str(metadata["tokenizer"])
+    except Exception as err:  # KeyError, or whatever the tokenizers library raises on bad JSON
+        raise CheckpointError(f"{path} holds no valid tokenizer ({_one_line(err)}): {redo}") from err
+    expected = {name: tuple(t.shape) for name, t in Transformer(config).state_dict().items()}
+    problems = [f"missing {name}" for name in expected.keys() - shapes.keys()]
+    problems += [f"unexpected {name}" for name in shapes.keys() - expected.keys()]
+    problems += [
+        f"{name} has shape {list(shapes[name])}, the config needs {list(shape)}"
+        for name, shape in expected.items()
+        if name in shapes and shapes[name] != shape
+    ]
+    if problems:
+        raise CheckpointError(f"{path} does not match its model config ({'; '.join(sorted(problems))}): {redo}")
+    return config, tokenizer
+
+
+def _exported_config(path: Path, text: str | None, redo: str) -> TransformerConfig:
+    """The ``transformer`` metadata: a JSON object with every field of :class:`TransformerConfig`, each typed."""
+    try:
+        fields = json.loads(text) if text is not None else None
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{path}: its transformer metadata is not JSON ({err}): {redo}") from err
+    if not isinstance(fields, dict):
+        raise CheckpointError(f"{path} holds no transformer config object in its metadata: {redo}")
+    hints = get_type_hints(TransformerConfig)
+    unknown, missing = sorted(fields.keys() - hints.keys()), sorted(hints.keys() - fields.keys())
+    if unknown or missing:
+        raise CheckpointError(f"{path}: transformer config has unknown fields {unknown}, missing {missing}: {redo}")
+    wrong = [name for name, value in fields.items() if not _has_type(value, hints[name])]
+    if wrong:
+        raise CheckpointError(f"{path}: transformer config fields {wrong} have the wrong type: {redo}")
+    try:
+        return TransformerConfig(**fields)
+    except ConfigError as err:
+        raise CheckpointError(f"{path}: {err}: {redo}") from err
+
+
+def _has_type(value: Any, hint: Any) -> bool:
+    """Whether a JSON value fits a config field's annotation (``int``, ``float``, ``bool``, ``Literal``, ``| None``)."""
+    if get_origin(hint) is Literal:
+        return value in get_args(hint)
+    if get_args(hint):  # X | None
+        return any(_has_type(value, option) for option in get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _one_line(err: Exception) -> str:
+    return " ".join(str(err).split())
 
 
 def exported_weights(path: str | Path) -> dict[str, Tensor]:
@@ -145,17 +208,21 @@ def exported_weights(path: str | Path) -> dict[str, Tensor]:
     Args:
         path: A file written by :func:`export`.
     """
-    return load_file(Path(path), device="cpu")
+    try:
+        return load_file(Path(path), device="cpu")
+    except Exception as err:  # safetensors' own error types
+        raise CheckpointError(f"{path} is not a readable safetensors file ({_one_line(err)})") from err
 
 
-def load_exported(path: str | Path) -> tuple[Transformer, Tokenizer]:
+def load_exported(path: str | Path, attention_backend: str = "auto") -> tuple[Transformer, Tokenizer]:
     """The exported Transformer (in eval mode, on CPU) and its tokenizer, e.g. for a notebook.
 
     Args:
         path: A file written by :func:`export`.
+        attention_backend: The attention kernel on this machine.
     """
     config, tokenizer = exported_metadata(path)
-    model = Transformer(config)
+    model = Transformer(dataclasses.replace(config, attention_backend=attention_backend))
     model.load_state_dict(exported_weights(path), strict=True)
     return model.eval(), tokenizer
 
@@ -170,7 +237,8 @@ def configure_from_exported(config: Any, path: str | Path) -> None:
     """
     transformer, tokenizer = exported_metadata(path)
     for name, value in transformer.to_dict().items():
-        if name not in ("src_vocab_size", "tgt_vocab_size"):  # the CLI links them from the tokenizer
+        # The CLI links the vocabulary sizes from the tokenizer; the attention backend is this machine's choice.
+        if name not in ("src_vocab_size", "tgt_vocab_size", "attention_backend"):
             config.model.transformer[name] = value
     fd, tokenizer_file = tempfile.mkstemp(prefix="torch-handle-tokenizer-", suffix=".json")
     os.close(fd)

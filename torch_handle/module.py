@@ -21,8 +21,6 @@ from torch_handle.hierarchical import summarize
 from torch_handle.metrics import Rouge, bleu_signature
 from torch_handle.model import ConfigError, Transformer, TransformerConfig, generate
 
-# Checkpoints keep the config as a dataclass; let ``torch.load(weights_only=True)`` accept it.
-torch.serialization.add_safe_globals([TransformerConfig])
 
 Task = Literal["translation", "summarization"]
 BLEU_TOKENIZE = "13a"  # sacreBLEU's default tokenizer, the one WMT results are reported with

@@ -7,12 +7,14 @@ Lightning's own.
 
 DeepSpeed also writes a checkpoint folder file by file, so a save killed half-way would leave a folder
 that looks like a checkpoint; here every save goes to a hidden sibling folder and is renamed into place.
+Every folder is checked before DeepSpeed or torch.distributed.checkpoint unpickles it (they would run code).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,42 +22,61 @@ import torch
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import CPUAccelerator
+from lightning.pytorch.plugins.precision import FSDPPrecision, Precision
 from lightning.pytorch.strategies import DeepSpeedStrategy as _LightningDeepSpeedStrategy
 from lightning.pytorch.strategies import FSDPStrategy as _LightningFSDPStrategy
 from lightning.pytorch.strategies.ddp import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.nn import Module
+from torch.optim import Optimizer
 from typing_extensions import override
 
+from torch_handle.checkpoints import (
+    check_checkpoint,
+    deepspeed_state,
+    hidden_sibling,
+    is_deepspeed_checkpoint,
+    recover_interrupted_save,
+)
 from torch_handle.errors import SetupError
 
 
-class _AtomicSave:
-    """Checkpoint folders written whole or not at all, for strategies that save one file per rank.
+class _SafeFolders:
+    """Checkpoint folders written whole or not at all, and checked before they are loaded, for strategies that
+    save one file per rank.
 
     Lightning writes single-file checkpoints atomically; DeepSpeed and FSDP's sharded checkpoints are folders
     that every rank writes into, and a run killed half-way through would leave one that looks valid. So all
     ranks write ``.NAME.partial`` beside the target, and global rank 0 renames it into place after a barrier
-    (which assumes one file system shared by all nodes, as resuming needs anyway).
+    (which assumes one file system shared by all nodes, as resuming needs anyway). A folder cannot replace
+    another in one rename, so the previous one is first moved to ``.NAME.stale``; a kill between the two renames
+    leaves no ``NAME``, and :func:`~torch_handle.checkpoints.recover_interrupted_save` puts ``.stale`` back (here
+    before the next save, and wherever a checkpoint is resolved).
     """
 
     @override
     def save_checkpoint(self, checkpoint: dict, filepath: _PATH, storage_options: Any | None = None) -> None:
         final = Path(self.broadcast(str(filepath)))
-        partial = final.with_name(f".{final.name}.partial")
+        partial, stale = hidden_sibling(final, "partial"), hidden_sibling(final, "stale")
         if self.is_global_zero:
+            recover_interrupted_save(final)
             _remove(partial)
         self.barrier("atomic_save_start")
         super().save_checkpoint(checkpoint, partial, storage_options)
         self.barrier("atomic_save_written")
         if self.is_global_zero:
-            stale = final.with_name(f".{final.name}.stale")
             _remove(stale)
             if final.exists():
-                os.replace(final, stale)  # a folder cannot be replaced in one rename while it holds files
+                os.replace(final, stale)
             os.replace(partial, final)
             _remove(stale)
         self.barrier("atomic_save_done")
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        check_checkpoint(checkpoint_path)
+        return super().load_checkpoint(checkpoint_path, weights_only)
 
 
 def _remove(path: Path) -> None:
@@ -80,7 +101,7 @@ def use_deepspeed_cpu_accelerator() -> None:
         set_accelerator(CPU_Accelerator())
 
 
-class DeepSpeedStrategy(_AtomicSave, _LightningDeepSpeedStrategy):
+class DeepSpeedStrategy(_SafeFolders, _LightningDeepSpeedStrategy):
     """Lightning's ``DeepSpeedStrategy`` that also runs on ``accelerator="cpu"`` (DeepSpeed's CPU accelerator
     and gloo), and never leaves a half-written checkpoint folder that looks valid.
 
@@ -140,21 +161,76 @@ class DeepSpeedStrategy(_AtomicSave, _LightningDeepSpeedStrategy):
         self.set_world_ranks()
         self._init_deepspeed_distributed()
 
+    @property
+    def _loads_gathered_weights(self) -> bool:
+        """ZeRO-3 outside ``fit``: DeepSpeed's engine cannot restore a folder's module states without its optimizer
+        (ZeRO-3 weights live in the optimizer's partitions: ``_restore_from_bit16_weights``, and tied weights
+        are stored under one name), so evaluation loads DeepSpeed's gathered fp32 weights instead."""
+        module = self.lightning_module
+        return self.zero_stage_3 and module is not None and module.trainer.state.fn != TrainerFn.FITTING
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(checkpoint_path)
+        if self._loads_gathered_weights and is_deepspeed_checkpoint(path):
+            check_checkpoint(path)
+            return deepspeed_state(path, self.lightning_module)
+        return super().load_checkpoint(checkpoint_path, weights_only)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self._loads_gathered_weights:  # Lightning's own path for full weights into ZeRO-3 partitions
+            self.model_to_device()
+            self._restore_zero_state(checkpoint, strict=strict)
+            return
+        super().load_model_state_dict(checkpoint, strict)
+
     def _auto_select_batch_size(self) -> int:
         """DeepSpeed's micro batch size, used only in its throughput logs: token-budget batches have no fixed
         size (Lightning's version reads ``batch_sampler.batch_size`` and fails on them)."""
         return getattr(self.lightning_module.trainer.train_dataloader, "batch_size", None) or 1
 
 
-class FSDPStrategy(_AtomicSave, _LightningFSDPStrategy):
-    """Lightning's ``FSDPStrategy`` that also runs on ``accelerator="cpu"`` (gloo); on CUDA it is unchanged.
+class _RootClipPrecision(FSDPPrecision):
+    """``FSDPPrecision`` that clips by norm with the sharded root module's ``clip_grad_norm_``, which takes the norm
+    over all shards; Lightning's refuses ``gradient_clip_algorithm='norm'`` for lack of a reference to that module.
+    """
+
+    def __init__(self, plugin: FSDPPrecision, strategy: FSDPStrategy) -> None:
+        super().__init__(plugin.precision, plugin.scaler)
+        self._strategy = strategy
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
+        root = self._strategy.model
+        assert isinstance(root, FullyShardedDataParallel), "clipping before the model is wrapped"
+        root.clip_grad_norm_(clip_val)
+
+
+class FSDPStrategy(_SafeFolders, _LightningFSDPStrategy):
+    """Lightning's ``FSDPStrategy`` that also runs on ``accelerator="cpu"`` (gloo) and clips gradients by norm.
 
     PyTorch's FSDP shards and trains over gloo on CPU when told its device is the CPU, but Lightning rejects
     ``FSDPStrategy`` without a GPU (``_check_strategy_and_fallback`` tests the exact type, which a subclass
     passes) and hands FSDP ``device_id=root_device.index``, None on CPU, from which FSDP concludes "FSDP
     needs a non-CPU accelerator device". So on CPU the model is wrapped here, with ``device_id=cpu``, and
     Lightning's setup continues with the wrapped model.
+
+    Gradient clipping by norm (``trainer.gradient_clip_val``, set by every shipped data config) goes through
+    FSDP's own ``clip_grad_norm_`` (see :class:`_RootClipPrecision`).
     """
+
+    @property
+    @override
+    def precision_plugin(self) -> FSDPPrecision:
+        return _LightningFSDPStrategy.precision_plugin.fget(self)
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        if isinstance(plugin, FSDPPrecision) and not isinstance(plugin, _RootClipPrecision):
+            plugin = _RootClipPrecision(plugin, self)
+        _LightningFSDPStrategy.precision_plugin.fset(self, plugin)
 
     @override
     def _setup_model(self, model: Module) -> Module:

@@ -1,8 +1,9 @@
 """Attention kernels behind one signature: ``attend(q, k, v, spec, backend, dropout_p)``.
 
 ``naive`` writes the softmax out and is the reference; ``sdpa`` calls
-``F.scaled_dot_product_attention``; ``flex`` compiles ``flex_attention`` with a block mask (sliding
-window) and a score mod (ALiBi); ``xformers`` calls ``memory_efficient_attention`` on CUDA.
+``F.scaled_dot_product_attention``; ``flex`` runs ``flex_attention`` with a block mask (sliding
+window) and a score mod (ALiBi), compiled on CUDA and eager on CPU; ``xformers`` calls
+``memory_efficient_attention`` on CUDA.
 
 Local attention on ``naive`` and ``sdpa`` runs block by block: queries in chunks of ``w`` positions see
 the ``3w`` keys around them, so memory grows as ``S * w`` and no ``S x S`` tensor is ever built.
@@ -103,11 +104,10 @@ def _explicit(kernel: Kernel) -> Callable[[Tensor, Tensor, Tensor, MaskSpec, flo
 
 
 @cache
-def _compiled_flex(device_type: str) -> Callable[..., Tensor]:
+def _compiled_flex() -> Callable[..., Tensor]:
     from torch.nn.attention.flex_attention import flex_attention
 
-    # Inductor's CPU flex template fails to build with dynamic shapes (torch 2.13): compile per shape there.
-    return torch.compile(flex_attention, dynamic=False if device_type == "cpu" else None)
+    return torch.compile(flex_attention)
 
 
 @cache
@@ -120,18 +120,29 @@ def _compiled_block_mask() -> Callable[..., object]:
 # Eager ``create_block_mask`` evaluates the mask on the whole Tq x Tk grid; compiled, it works block by
 # block. Compiling costs seconds per new shape, so only large grids (long inputs) take that path.
 _COMPILE_BLOCK_MASK_AT = 2**24
+# On CPU flex runs eagerly: Inductor's CPU flex kernel returns wrong numbers at some lengths (24, 40, 104, 120
+# in torch 2.13), and eager flex is exact. Eager flex writes out the (B, H, Tq, Tk) scores, about 1 GiB at
+# peak for 2**26 of them (4096 x 4096, 4 heads), so larger calls are refused there rather than run out of
+# memory; sdpa's blocked local attention handles them in O(S * window).
+_CPU_FLEX_MAX_SCORES = 2**26
 
 
 def _flex(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, dropout_p: float) -> Tensor:
-    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     if dropout_p:
         raise BackendUnavailableError(
             "attention_backend='flex' has no attention dropout: set dropout=0 or use attention_backend='sdpa'"
         )
-    if q.device.type == "cpu" and torch.is_grad_enabled() and q.requires_grad:
+    on_cpu = q.device.type == "cpu"
+    if on_cpu and torch.is_grad_enabled() and q.requires_grad:
         raise BackendUnavailableError(
             "attention_backend='flex' has no backward pass on CPU: train with 'sdpa' (or 'auto') there"
+        )
+    if on_cpu and q.shape[0] * q.shape[1] * q.shape[-2] * k.shape[-2] > _CPU_FLEX_MAX_SCORES:
+        raise BackendUnavailableError(
+            f"attention_backend='flex' runs eagerly on CPU and would hold {q.shape[0] * q.shape[1]} x {q.shape[-2]} x "
+            f"{k.shape[-2]} scores: use attention_backend='sdpa' (or 'auto') for inputs this long there"
         )
     pad, window, causal, offset, slopes = spec.key_padding, spec.window, spec.causal, spec.q_offset, spec.alibi
 
@@ -158,10 +169,12 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, dropout_p: float) -> 
     batch = None if pad is None else q.shape[0]
     key = ("flex_block_mask", batch, q.shape[-2], k.shape[-2], q.device)
     if key not in spec.built:  # once per forward pass, not once per layer
-        make = _compiled_block_mask() if q.shape[-2] * k.shape[-2] >= _COMPILE_BLOCK_MASK_AT else create_block_mask
+        long = q.shape[-2] * k.shape[-2] >= _COMPILE_BLOCK_MASK_AT
+        make = _compiled_block_mask() if long and not on_cpu else create_block_mask
         spec.built[key] = make(mask_mod, batch, None, q.shape[-2], k.shape[-2], device=q.device)
     block_mask = spec.built[key]
-    return _compiled_flex(q.device.type)(q, k, v, score_mod=score_mod, block_mask=block_mask)
+    kernel = flex_attention if on_cpu else _compiled_flex()
+    return kernel(q, k, v, score_mod=score_mod, block_mask=block_mask)
 
 
 def _xformers(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, dropout_p: float) -> Tensor:

@@ -1,0 +1,173 @@
+"""Exports load anywhere, from any checkpoint a user can make, and a bad exported file is one ``error:`` line."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import lightning
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tests.helpers import ROOT, env
+from torch_handle.data.tokenizer import Tokenizer
+from torch_handle.export import export, load_exported
+from torch_handle.model import TransformerConfig
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+DEMO = str(ROOT / "configs" / "demo.yaml")
+TINY = TransformerConfig(
+    d_model=16, num_heads=2, num_encoder_layers=1, num_decoder_layers=1, d_ff=32, dropout=0.0, max_len=32
+)
+
+
+def _python_checkpoint(folder: Path, attention_backend: str = "auto") -> Path:
+    """A checkpoint as a user saves it from Python: the module's config is a ``TransformerConfig`` object, the
+    tokenizer sits beside it (as the checkpoint callback writes it)."""
+    from torch_handle.module import Seq2SeqModule
+
+    tokenizer = Tokenizer.train(["one two three four five six seven eight nine ten"] * 20, vocab_size=40)
+    tokenizer.save(folder / "tokenizer.json")
+    module = Seq2SeqModule(TINY, vocab_size=tokenizer.vocab_size, max_new_tokens=8)
+    hparams = dict(module.hparams)
+    hparams["transformer"] = dataclasses.replace(TINY, attention_backend=attention_backend)
+    path = folder / "model.ckpt"
+    torch.save(
+        {
+            "epoch": 0,
+            "global_step": 1,
+            "pytorch-lightning_version": lightning.__version__,
+            "state_dict": module.state_dict(),
+            "hyper_parameters": hparams,
+        },
+        path,
+    )
+    return path
+
+
+def _export_in_a_fresh_process(checkpoint: Path, output: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "torch_handle.export", str(checkpoint), str(output)],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_from_python_exports_in_a_fresh_process(tmp_path: Path) -> None:
+    """``python -m torch_handle.export`` never imports ``torch_handle.module``, whose import once registered the
+    config class as safe to unpickle."""
+    run = _export_in_a_fresh_process(_python_checkpoint(tmp_path), tmp_path / "model.safetensors")
+    assert run.returncode == 0, run.stderr[-3000:]
+    model, _ = load_exported(tmp_path / "model.safetensors")
+    assert model.config == dataclasses.replace(TINY, src_vocab_size=model.config.src_vocab_size,
+                                               tgt_vocab_size=model.config.tgt_vocab_size)  # fmt: skip
+
+
+def test_an_export_of_a_model_trained_with_xformers_loads_on_a_cpu(tmp_path: Path) -> None:
+    exported = export(_python_checkpoint(tmp_path, "xformers"), tmp_path / "model.safetensors")
+    model, tokenizer = load_exported(exported)
+    assert model.config.attention_backend == "auto"
+    src = torch.tensor([tokenizer.encode("one two three")])
+    model(src, torch.tensor([[TINY.bos_id]]))  # runs here, on this machine's kernel
+
+
+# --- bad exported files: one line each, from the loaders and from cli.py predict --------------------------
+
+
+def _good(path: Path) -> Path:
+    return export(_python_checkpoint(path.parent), path)
+
+
+def _rewrite(path: Path, change: Callable[[dict[str, str], dict[str, torch.Tensor]], None]) -> None:
+    """Writes ``path`` again with its metadata and tensors changed by ``change``."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        metadata = dict(f.metadata())
+        tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    change(metadata, tensors)
+    save_file(tensors, path, metadata=metadata)
+
+
+def _transformer(change: Callable[[dict], None]) -> Callable[[dict[str, str], dict], None]:
+    def edit(metadata: dict[str, str], tensors: dict) -> None:
+        fields = json.loads(metadata["transformer"])
+        change(fields)
+        metadata["transformer"] = json.dumps(fields)
+
+    return edit
+
+
+def _header_only(path: Path) -> None:
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    path.write_bytes(data[: 8 + length + 10])  # the header survives, the tensor data does not
+
+
+BAD: dict[str, tuple[Callable[[Path], None], str]] = {
+    "no_format": (lambda p: _rewrite(p, lambda m, t: m.pop("format")), "not written by torch_handle.export"),
+    "wrong_format": (lambda p: _rewrite(p, lambda m, t: m.update(format="x/9")), "not written by torch_handle"),
+    "no_transformer": (lambda p: _rewrite(p, lambda m, t: m.pop("transformer")), "no transformer config"),
+    "transformer_not_json": (lambda p: _rewrite(p, lambda m, t: m.update(transformer="{d_model:")), "not JSON"),
+    "transformer_not_object": (lambda p: _rewrite(p, lambda m, t: m.update(transformer="[1]")), "no transformer"),
+    "unknown_field": (lambda p: _rewrite(p, _transformer(lambda f: f.update(colour=1))), "unknown fields ['colour']"),
+    "missing_field": (lambda p: _rewrite(p, _transformer(lambda f: f.pop("d_model"))), "missing ['d_model']"),
+    "wrong_type": (lambda p: _rewrite(p, _transformer(lambda f: f.update(d_model="16"))), "['d_model'] have the"),
+    "bad_value": (lambda p: _rewrite(p, _transformer(lambda f: f.update(num_heads=3))), "not divisible"),
+    "bad_choice": (lambda p: _rewrite(p, _transformer(lambda f: f.update(position="x"))), "['position'] have"),
+    "no_tokenizer": (lambda p: _rewrite(p, lambda m, t: m.pop("tokenizer")), "no valid tokenizer"),
+    "bad_tokenizer": (lambda p: _rewrite(p, lambda m, t: m.update(tokenizer='{"a": 1}')), "no valid tokenizer"),
+    "missing_tensor": (lambda p: _rewrite(p, lambda m, t: t.pop("decoder_norm.bias")), "missing decoder_norm.bias"),
+    "extra_tensor": (lambda p: _rewrite(p, lambda m, t: t.update(extra=torch.zeros(1))), "unexpected extra"),
+    "wrong_shape": (
+        lambda p: _rewrite(p, lambda m, t: t.update({"decoder_norm.bias": torch.zeros(3)})),
+        "has shape [3]",
+    ),
+    "truncated": (_header_only, "not a safetensors file"),
+    "empty": (lambda p: p.write_bytes(b""), "not a safetensors file"),
+    "not_safetensors": (lambda p: p.write_text("hello"), "not a safetensors file"),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_a_bad_exported_file_is_one_line(case: str, tmp_path: Path) -> None:
+    from torch_handle.checkpoints import CheckpointError
+
+    path = _good(tmp_path / "model.safetensors")
+    damage, message = BAD[case]
+    damage(path)
+    with pytest.raises(CheckpointError) as error:
+        load_exported(path)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.slow
+def test_cli_predict_refuses_bad_exported_files_in_one_line(tmp_path: Path) -> None:
+    """Every damage above, through ``cli.py predict --ckpt_path`` in one process (a subprocess per case would
+    cost minutes)."""
+    from cli import main
+
+    sources = tmp_path / "input.txt"
+    sources.write_text("one two\n")
+    for case, (damage, message) in BAD.items():
+        folder = tmp_path / case
+        folder.mkdir()
+        path = _good(folder / "model.safetensors")
+        damage(path)
+        args = ["predict", f"--config={DEMO}", f"--ckpt_path={path}", f"--data.init_args.predict_file={sources}"]
+        with pytest.raises(SystemExit) as exit_info:
+            main([*args, f"--trainer.default_root_dir={folder / 'run'}", "--trainer.accelerator=cpu"])
+        text = exit_info.value.code
+        assert isinstance(text, str) and text.startswith("error: ") and "\n" not in text, f"{case}: {text}"
+        assert message in text, f"{case}: {text}"
