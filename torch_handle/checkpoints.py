@@ -24,13 +24,8 @@ from torch import Tensor
 from torch._weights_only_unpickler import _get_allowed_globals, _get_user_allowed_globals
 from torch.nn import Module
 
-from torch_handle.model import TransformerConfig
-
 TOKENIZER_FILE = "tokenizer.json"  # written beside the checkpoints, so evaluation decodes as training encoded
 CONFIG_FILE = "transformer.json"
-
-# A module built in Python keeps its config as a dataclass in the checkpoint's hyper-parameters.
-torch.serialization.add_safe_globals([TransformerConfig])
 
 # DeepSpeed's optimizer shards pickle these plain classes: an enum, a loss scaler's attributes, and (ZeRO-1/2) a
 # dataclass of two ints; rebuilding them calls no code of the file's choosing.

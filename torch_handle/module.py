@@ -21,7 +21,6 @@ from torch_handle.hierarchical import summarize
 from torch_handle.metrics import Rouge, bleu_signature
 from torch_handle.model import ConfigError, Transformer, TransformerConfig, generate
 
-
 Task = Literal["translation", "summarization"]
 BLEU_TOKENIZE = "13a"  # sacreBLEU's default tokenizer, the one WMT results are reported with
 

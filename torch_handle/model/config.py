@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+import torch
+
 Activation = Literal["relu", "gelu"]
 Position = Literal["sinusoidal", "learned", "rope", "alibi"]
 RopeScaling = Literal["linear", "ntk"]
@@ -136,3 +138,8 @@ class TransformerConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+# A module built in Python keeps its config as this dataclass in its checkpoint's hyper-parameters: plain data
+# that ``torch.load(weights_only=True)`` may rebuild wherever the config class is importable.
+torch.serialization.add_safe_globals([TransformerConfig])
