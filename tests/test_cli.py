@@ -371,8 +371,8 @@ ONE_LINE_ERRORS: dict[str, tuple[Callable[[Path], list[str]], str]] = {
     ),
     "fit_malicious_checkpoint": (
         lambda t: _fit(t / "run", f"--ckpt_path={_evil_checkpoint(t / 'evil.ckpt')}"),
-        "error: {t}/evil.ckpt cannot be loaded safely (UnpicklingError: damaged, or holds more than tensors and "
-        "plain values): pass a checkpoint that cli.py fit wrote",
+        "error: {t}/evil.ckpt pickles 'posix.system', which is not plain data, so loading {t}/evil.ckpt could run "
+        "code: refused; load only checkpoints you trust, re-saved by torch-handle",
     ),
 }
 

@@ -157,3 +157,25 @@ def test_a_repeated_evaluation_batch_runs_but_is_not_counted() -> None:
     assert not any(metric.update_called for metric in metrics.values())
     module._evaluate({**batch, "repeat": False}, "test", decode=False)
     assert metrics["lead"].update_called and metrics["loss"].update_called
+
+
+def test_validate_then_fit_then_validate_in_one_process() -> None:
+    """The notebook's order: ``trainer.validate`` (inference mode), ``trainer.fit`` (whose validation runs under
+    no_grad: metric states made in inference mode cannot be updated in place there), then validate again."""
+    datamodule = TranslationDataModule(demo_size=300, bpe_vocab_size=300, max_tokens=1024)
+    module = Seq2SeqModule(TINY, vocab_size=datamodule.vocab_size, warmup_steps=2, generate_every_n_val_epochs=0)
+    trainer = L.Trainer(
+        max_epochs=1,
+        limit_train_batches=1,
+        limit_val_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    (before,) = trainer.validate(module, datamodule=datamodule, verbose=False)
+    trainer.fit(module, datamodule=datamodule)
+    after_fit = trainer.callback_metrics["val/loss"].item()
+    (after,) = trainer.validate(module, datamodule=datamodule, verbose=False)
+    assert after["val/loss"] == pytest.approx(after_fit, rel=1e-6)
+    assert after["val/loss"] != pytest.approx(before["val/loss"], rel=1e-6)  # one step did train

@@ -215,11 +215,18 @@ class Seq2SeqModule(L.LightningModule):
 
     @override
     def on_validation_epoch_start(self) -> None:
-        self._decoded.discard("val")
+        self._start_epoch("val")
 
     @override
     def on_test_epoch_start(self) -> None:
-        self._decoded.discard("test")
+        self._start_epoch("test")
+
+    def _start_epoch(self, stage: str) -> None:
+        """Fresh metric states, made under this loop's grad mode: states left by ``trainer.validate`` (inference
+        mode) cannot be updated in place by the validation inside ``trainer.fit`` (no_grad)."""
+        self._decoded.discard(stage)
+        for metric in self.eval_metrics[stage].values():
+            metric.reset()
 
     def _log_epoch(self, stage: str) -> None:
         """Logs the set's per-token loss and perplexity (exp of the corpus NLL), and BLEU/ROUGE (0-100).
@@ -239,8 +246,6 @@ class Seq2SeqModule(L.LightningModule):
             printed = ", ".join(f"{k.removeprefix(stage + '/')} {float(v):.2f}" for k, v in scores.items())
             rank_zero_info(f"{stage}: {printed}{signature}")
         self.log_dict(values)
-        for metric in metrics.values():
-            metric.reset()
 
     @override
     def on_validation_epoch_end(self) -> None:
