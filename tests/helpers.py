@@ -17,12 +17,17 @@ from typing_extensions import override
 ROOT = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT = 180  # seconds for one two-process run; a hang fails the test instead of the suite
 
-TINY = [
+TINY_MODEL = [
     "--model.transformer.d_model", "32",
     "--model.transformer.num_heads", "2",
     "--model.transformer.num_encoder_layers", "1",
     "--model.transformer.num_decoder_layers", "1",
     "--model.transformer.d_ff", "64",
+]  # fmt: skip
+"""The smallest model sizes every multi-process test uses, whatever its data."""
+
+TINY = [
+    *TINY_MODEL,
     "--model.transformer.dropout", "0",
     "--model.transformer.max_len", "64",
     "--model.max_new_tokens", "16",

@@ -19,16 +19,12 @@ import pytest
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from tests.helpers import STRATEGY_CONFIGS, check, cli
+from tests.helpers import STRATEGY_CONFIGS, TINY_MODEL, check, cli
 from torch_handle.export import export
 
 WORDS = [f"{a}{b}{c}" for a in "bdgkmpst" for b in "aeiou" for c in "lnr"]
 MODEL = [
-    "--model.transformer.d_model", "32",
-    "--model.transformer.num_heads", "2",
-    "--model.transformer.num_encoder_layers", "1",
-    "--model.transformer.num_decoder_layers", "1",
-    "--model.transformer.d_ff", "64",
+    *TINY_MODEL,
     "--model.transformer.dropout", "0",
     "--model.transformer.max_len", "64",
 ]  # fmt: skip

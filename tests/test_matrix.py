@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, STRATEGY_CONFIGS, cli
+from tests.helpers import ROOT, STRATEGY_CONFIGS, TINY_MODEL, cli
 from torch_handle.data.demo import demo_corpus
 from torch_handle.export import main as export_main
 
@@ -33,11 +33,7 @@ TIMEOUT = 300  # seconds for one launch: ten times the slowest measured on a bus
 STEP_TIMEOUT = 1800  # a step may first train its combination's run, then launch twice
 
 MODEL = [
-    "--model.transformer.d_model", "32",
-    "--model.transformer.num_heads", "2",
-    "--model.transformer.num_encoder_layers", "1",
-    "--model.transformer.num_decoder_layers", "1",
-    "--model.transformer.d_ff", "64",
+    *TINY_MODEL,
     "--model.max_new_tokens", "8",
 ]  # fmt: skip
 TRAINER = [
