@@ -20,9 +20,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch_handle.callbacks.rng import get_rng_states, set_rng_states
 from typing_extensions import override
 
-from callbacks.rng import get_rng_states, set_rng_states
 from torch_handle.atomic import TEMP_SUFFIX, atomic_path, atomic_write_text
 from torch_handle.checkpoints import CONFIG_FILE, TOKENIZER_FILE, CheckpointError
 

@@ -21,7 +21,7 @@ class StopOnDivergence(L.Callback):
     """Ends the run with one ``error: training diverged ...`` line when the loss or gradient norm is not finite.
 
     Checked before each optimizer step, so the non-finite update is never applied and no checkpoint is
-    written from it: the last good ``last.ckpt`` stays (and :class:`~callbacks.checkpointing.Checkpoint`
+    written from it: the last good ``last.ckpt`` stays (and :class:`~torch_handle.callbacks.checkpointing.Checkpoint`
     refuses non-finite weights besides). Every process checks its own losses and gradients (its shard under
     FSDP; under DeepSpeed ZeRO the gradients live in DeepSpeed's buffers, so the loss decides) and one
     all-reduce makes every process stop at the same step. With a gradient scaler (``16-mixed``) infinite

@@ -1,6 +1,7 @@
 """A checkpoint save that runs out of room: ``python tests/checkpoint_save.py FOLDER {kill,full}``.
 
-Trains a BoringModel one step with :class:`~callbacks.checkpointing.Checkpoint` (``last.ckpt``, a few KB), then
+Trains a BoringModel one step with :class:`~torch_handle.callbacks.checkpointing.Checkpoint` (``last.ckpt``,
+a few KB), then
 saves a 4 MB checkpoint over it with file writes capped or the disk full: ``kill`` caps the file size so the
 kernel kills the process mid-write (SIGXFSZ, as ``kill -9`` would), ``full`` runs on a 1 MB tmpfs mounted at
 FOLDER. Prints ``saved`` or ``error: ...`` (the CLI's line) when the save returns. Run by tests/test_faults.py.
@@ -18,7 +19,8 @@ import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from callbacks.checkpointing import Checkpoint  # noqa: E402
+from torch_handle.callbacks.checkpointing import Checkpoint  # noqa: E402
+
 from torch_handle.checkpoints import CheckpointError  # noqa: E402
 
 

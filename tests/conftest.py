@@ -56,7 +56,7 @@ TINY_MODEL_ARGS = [
 def tiny_demo_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A run folder with ``checkpoints/last.ckpt`` (and its tokenizer) of a tiny model trained for a few steps
     on the built-in demo through ``python cli.py fit``; shared by the CLI, module and notebook tests."""
-    from cli import main
+    from torch_handle.cli import main
 
     root = tmp_path_factory.mktemp("tiny_demo_run")
     main(

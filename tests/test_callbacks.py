@@ -10,10 +10,10 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.flop_counter import FlopCounterMode
+from torch_handle.callbacks.activation_checkpointing import ActivationCheckpointing
+from torch_handle.callbacks.profiling import Profiling
+from torch_handle.callbacks.throughput import Throughput
 
-from callbacks.activation_checkpointing import ActivationCheckpointing
-from callbacks.profiling import Profiling
-from callbacks.throughput import Throughput
 from torch_handle.data import TranslationDataModule
 from torch_handle.flops import forward_flops, training_flops
 from torch_handle.model import Transformer, TransformerConfig

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from cli import main
 from tests.helpers import ROOT
 from torch_handle.checkpoints import CheckpointError, check_checkpoint, last_checkpoint, resolve_ckpt_path
+from torch_handle.cli import main
 from torch_handle.strategies import _SafeFolders
 
 DEMO = str(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml")

@@ -17,7 +17,7 @@ import yaml
 from conftest import TINY_MODEL_ARGS
 from helpers import RUN_TIMEOUT
 
-from cli import main
+from torch_handle.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = str(ROOT / "configs" / "demo.yaml")

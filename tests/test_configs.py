@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cli import OneLineErrorParser, TorchHandleCLI, main
+from torch_handle.cli import OneLineErrorParser, TorchHandleCLI, main
 from torch_handle.data.base import Seq2SeqDataModule
 from torch_handle.module import Seq2SeqModule
 

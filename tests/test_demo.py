@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from cli import main
+from torch_handle.cli import main
 
 DEMO = str(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml")
 

@@ -156,7 +156,7 @@ def test_a_bad_exported_file_is_one_line(case: str, tmp_path: Path) -> None:
 def test_cli_predict_refuses_bad_exported_files_in_one_line(tmp_path: Path) -> None:
     """Every damage above, through ``cli.py predict --ckpt_path`` in one process (a subprocess per case would
     cost minutes)."""
-    from cli import main
+    from torch_handle.cli import main
 
     sources = tmp_path / "input.txt"
     sources.write_text("one two\n")

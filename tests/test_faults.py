@@ -14,9 +14,9 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
+from torch_handle.callbacks.checkpointing import Checkpoint
 from typing_extensions import override
 
-from callbacks.checkpointing import Checkpoint
 from tests.helpers import ROOT, STRATEGY_CONFIGS, cli, env, fit_args
 from torch_handle.atomic import atomic_write_text, lock_run_folder
 from torch_handle.checkpoints import CheckpointError
@@ -64,7 +64,7 @@ def test_a_killed_save_keeps_the_previous_checkpoint_and_leaves_no_file_behind(
 RESUME = """
 import lightning as L
 from lightning.pytorch.demos.boring_classes import BoringModel
-from callbacks.checkpointing import Checkpoint
+from torch_handle.callbacks.checkpointing import Checkpoint
 trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_progress_bar=False,
                     callbacks=[Checkpoint(dirpath="{folder}", save_last=True)])
 trainer.fit(BoringModel(), ckpt_path="{folder}/last.ckpt")

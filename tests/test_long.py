@@ -15,10 +15,10 @@ import torch.nn.functional as F
 from rouge_score import rouge_scorer
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch_handle.callbacks.prediction_writer import PredictionWriter
 
 import torch_handle
-from callbacks.prediction_writer import PredictionWriter
-from cli import TorchHandleCLI
+from torch_handle.cli import TorchHandleCLI
 from torch_handle.data import EOS_ID, PAD_ID, Seq2SeqDataModule, SummarizationDataModule, Tokenizer
 from torch_handle.hierarchical import chunk_spans, summarize
 from torch_handle.metrics import ROUGE_KEYS, Rouge, split_sentences

@@ -12,6 +12,7 @@ Every folder is checked before DeepSpeed or torch.distributed.checkpoint unpickl
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 from collections.abc import Mapping
@@ -107,6 +108,11 @@ class DeepSpeedStrategy(_SafeFolders, _LightningDeepSpeedStrategy):
 
     Takes the same arguments as Lightning's (``stage``, ``offload_optimizer``, ``offload_parameters``, ...).
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if importlib.util.find_spec("deepspeed") is None:  # an optional extra: name the install line
+            raise SetupError("the ZeRO configs need DeepSpeed: pip install 'torch-handle[deepspeed]'")
+        super().__init__(*args, **kwargs)
 
     @property
     def _on_cpu(self) -> bool:

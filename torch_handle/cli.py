@@ -1,0 +1,261 @@
+"""torch-handle's command line: ``torch-handle {fit,validate,test,predict} --config NAME`` (``python cli.py`` in
+a checkout), plus ``prepare`` (download a corpus) and ``export`` (a checkpoint to one safetensors file).
+
+A thin LightningCLI: the LightningModule's and DataModules' typed signatures are the options (see
+``--help``), the strategy is plain Trainer configuration, and shared values are linked, not repeated.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+import torch
+from jsonargparse import Namespace
+from jsonargparse._actions import _ActionPrintConfig
+from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from typing_extensions import override
+
+from torch_handle import __version__
+from torch_handle.atomic import lock_run_folder
+from torch_handle.callbacks.checkpointing import Checkpoint
+from torch_handle.callbacks.prediction_writer import PredictionWriter
+from torch_handle.checkpoints import TOKENIZER_FILE, CheckpointError, resolve_ckpt_path
+from torch_handle.data.base import Seq2SeqDataModule
+from torch_handle.errors import DataError, SetupError
+from torch_handle.export import configure_from_exported, exported_weights, is_exported
+from torch_handle.hparams import RUNTIME, explicit_model_options, merge_checkpoint_options
+from torch_handle.model import BackendUnavailableError, ConfigError
+from torch_handle.module import Seq2SeqModule
+
+# Lightning's MisconfigurationException: the Trainer's and callbacks' own checks of their settings.
+USER_ERRORS = (CheckpointError, ConfigError, DataError, SetupError, BackendUnavailableError, MisconfigurationException)
+EVALUATE = ("validate", "test", "predict")
+RESUME_KEYWORDS = ("last", "hpc", "registry")  # ``fit --ckpt_path`` values Lightning resolves itself
+
+
+def checkpoint_dir(root: str | None) -> str:
+    return os.path.join(root or ".", "checkpoints")
+
+
+class OneLineErrorParser(LightningArgumentParser):
+    """Reports a bad option or config key as one ``error: ...`` line, without argparse's usage wall."""
+
+    @override
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        if not self.exit_on_error:  # jsonargparse's inner parsers raise, to be caught and retried
+            super().error(message, ex)
+        sys.stderr.write(f"error: {' '.join(message.split())} (see {self.prog.replace(' [options]', '')} --help)\n")
+        self.exit(2)
+
+
+class TorchHandleCLI(LightningCLI):
+    """Adds checkpointing and prediction writing, links the vocabulary size, and finds the last checkpoint."""
+
+    def add_arguments_to_parser(self, parser) -> None:  # noqa: ANN001 - LightningArgumentParser
+        parser.add_lightning_class_args(Checkpoint, "checkpoint")
+        parser.add_lightning_class_args(PredictionWriter, "prediction_writer")
+        parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
+        parser.link_arguments("trainer.default_root_dir", "checkpoint.dirpath", compute_fn=checkpoint_dir)
+        parser.set_defaults(
+            {
+                "data": {"class_path": "torch_handle.data.TranslationDataModule"},
+                "trainer.default_root_dir": "runs/default",
+                # The data modules shard their token-budget batches per rank themselves.
+                "trainer.use_distributed_sampler": False,
+                "checkpoint.save_last": True,
+            }
+        )
+
+    @override
+    def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
+        """Also resolves ``--ckpt_path`` (by default the run's last checkpoint for evaluation), checks it before
+        any pickle is read, and takes the model's architecture from it (see :mod:`torch_handle.hparams`).
+        ``--print_config`` prints the options after that merge: the ones the run uses."""
+        with _ActionPrintConfig.skip_print_config():
+            super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand")
+        if subcommand is not None:
+            ckpt = self._resolve_checkpoint(self.config[subcommand])
+            if ckpt is not None and ckpt.is_file():
+                self._use_checkpoint_options(parser, subcommand, ckpt, sys.argv[1:] if args is None else args)
+        _ActionPrintConfig.print_config_if_requested(parser, self.config)
+
+    @override
+    def _parse_ckpt_path(self) -> None:
+        """Done in :meth:`parse_arguments`, which keeps the user's runtime options (Lightning's drops them)."""
+
+    def _resolve_checkpoint(self, config: Namespace) -> Path | None:
+        """The checked ``--ckpt_path``, before any pickle in it is read: ``last`` (by default for evaluation) is
+        the run's last checkpoint, recovered from an interrupted save; None when there is none to load."""
+        path = config.get("ckpt_path")
+        if is_exported(path or ""):
+            return None  # checked and loaded by configure_from_exported
+        if self.config.subcommand == "fit" and path in RESUME_KEYWORDS[1:]:
+            return None  # hpc and registry: Lightning resolves them
+        folder = checkpoint_dir(config.trainer.default_root_dir)
+        config.ckpt_path = resolve_ckpt_path(path, folder, fit=self.config.subcommand == "fit")
+        return None if config.ckpt_path in (None, "last") else Path(config.ckpt_path)
+
+    def _use_checkpoint_options(
+        self, parser: LightningArgumentParser, subcommand: str, ckpt: Path, args: list[str]
+    ) -> None:
+        try:
+            hparams = torch.load(ckpt, map_location="cpu", weights_only=True).get("hyper_parameters", {})
+        except Exception as err:  # noqa: BLE001 - a damaged or unsafe file: any reason is the same answer
+            raise CheckpointError(
+                f"{ckpt} cannot be loaded safely ({type(err).__name__}: damaged, or holds more than tensors and "
+                "plain values): pass a checkpoint that cli.py fit wrote"
+            ) from err
+        hparams.pop("_instantiator", None)
+        if not hparams:
+            return
+        self.checkpoint_vocab_size = hparams.get("vocab_size")
+        typed, in_configs = explicit_model_options(args)
+        model, notes = merge_checkpoint_options(
+            hparams, self.config[subcommand].model.as_dict(), typed, in_configs, str(ckpt)
+        )
+        if notes:
+            rank_zero_warn(f"{ckpt} decides the model's architecture: using {', '.join(notes)}")
+        self.config = parser.parse_object({subcommand: {"model": model}}, self.config)
+        used = self.config[subcommand].model
+        rank_zero_info(
+            f"Model from {ckpt}: " + ", ".join(f"{key}={used[key]}" for key in sorted(RUNTIME) if key in used)
+        )
+
+    def before_instantiate_classes(self) -> None:
+        """A run from a checkpoint (evaluation: by default the run's last) uses the tokenizer saved beside it."""
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        checkpoint = config.checkpoint
+        if checkpoint.monitor is None and checkpoint.save_top_k not in (-1, 0, 1):
+            raise SetupError(
+                f"--checkpoint.save_top_k={checkpoint.save_top_k} keeps the best checkpoints by a metric: set "
+                "--checkpoint.monitor (e.g. val/loss), or save_top_k to -1 (all), 0 or 1 (the last)"
+            )
+        if self.subcommand not in EVALUATE:
+            self._use_checkpoint_tokenizer(config)
+            return
+        self.exported = config.ckpt_path if is_exported(config.ckpt_path or "") else None
+        if self.exported is not None:  # an exported model: weights are loaded in before_test/before_predict
+            configure_from_exported(config, self.exported)
+            config.ckpt_path = None
+            return
+        self._use_checkpoint_tokenizer(config)
+
+    def _use_checkpoint_tokenizer(self, config: Namespace) -> None:
+        if config.get("ckpt_path") in (None, *RESUME_KEYWORDS) or is_exported(config.ckpt_path):
+            return
+        tokenizer = Path(config.ckpt_path).parent / TOKENIZER_FILE  # checked in parse_arguments
+        if config.data.init_args.tokenizer_path is None and tokenizer.is_file():
+            config.data.init_args.tokenizer_path = str(tokenizer)
+
+    @override
+    def after_instantiate_classes(self) -> None:
+        """The data's length limits follow the model's context, and a checkpoint's vocabulary must be the data's."""
+        self.datamodule.fit_context(self.model.config.context_length)
+        vocab_size = getattr(self, "checkpoint_vocab_size", None)
+        if vocab_size is not None and vocab_size != self.model.hparams.vocab_size:
+            raise CheckpointError(
+                f"the checkpoint was trained with vocab_size={vocab_size}, the data's tokenizer has "
+                f"{self.model.hparams.vocab_size}: pass the checkpoint's tokenizer.json with --data.tokenizer_path"
+            )
+
+    def before_fit(self) -> None:
+        """One run per folder: a second run started in it stops with one line instead of sharing its files."""
+        if rank_zero_only.rank == 0:
+            lock_run_folder(self.trainer.default_root_dir)
+
+    def before_validate(self) -> None:
+        self._load_exported()
+
+    def before_test(self) -> None:
+        self._load_exported()
+
+    def before_predict(self) -> None:
+        self._load_exported()
+
+    def _load_exported(self) -> None:
+        if self.exported is not None:
+            self.model.model.load_state_dict(exported_weights(self.exported), strict=True)
+
+
+def user_error(err: BaseException | None) -> BaseException | None:
+    """The user error behind ``err``: jsonargparse wraps what a constructor raises in its own errors."""
+    while err is not None and not isinstance(err, USER_ERRORS):
+        err = err.__cause__ or err.__context__
+    return err
+
+
+def shipped_configs() -> Path:
+    """The shipped ``configs/``: inside the installed package, or at the top of a checkout (editable install)."""
+    package = Path(__file__).resolve().parent
+    installed = package / "configs"
+    return installed if installed.is_dir() else package.parent / "configs"
+
+
+def config_path(value: str) -> str:
+    """``--config`` takes a path or a shipped config's name (``demo``, ``zero2``, ``zero2.yaml``)."""
+    if os.path.exists(value):
+        return value
+    shipped = shipped_configs()
+    for candidate in (shipped / value, shipped / f"{value}.yaml"):
+        if os.sep not in value and candidate.is_file():
+            return str(candidate)
+    names = ", ".join(sorted(path.stem for path in shipped.glob("*.yaml")))
+    raise SetupError(f"--config {value}: no such file, and no shipped config of that name (shipped: {names})")
+
+
+def with_config_paths(args: list[str]) -> list[str]:
+    resolved = list(args)
+    for i, arg in enumerate(resolved):
+        if arg.startswith("--config="):
+            resolved[i] = "--config=" + config_path(arg.removeprefix("--config="))
+        elif arg in ("--config", "-c") and i + 1 < len(resolved):
+            resolved[i + 1] = config_path(resolved[i + 1])
+    return resolved
+
+
+COMMANDS = {"prepare": "torch_handle.data.prepare", "export": "torch_handle.export"}  # plain argparse tools
+DESCRIPTION = (
+    "Train, evaluate and use a handwritten Transformer. Subcommands: fit, validate, test, predict (below), and "
+    "prepare (download a corpus: torch-handle prepare --help), export (a checkpoint to one safetensors file: "
+    "torch-handle export --help). --config takes a path or a shipped config's name: "
+)
+
+
+def main(args: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if args is None else list(args)
+    if argv[:1] in (["--version"], ["-V"]):
+        print(f"torch-handle {__version__}")
+        return
+    if argv[:1] and argv[0] in COMMANDS:
+        sys.argv[0] = f"{os.path.basename(sys.argv[0])} {argv[0]}"  # argparse's prog: ``torch-handle export``
+        importlib.import_module(COMMANDS[argv[0]]).main(argv[1:])
+        return
+    try:
+        if args is None:  # LightningCLI reads sys.argv itself (and warns when given both)
+            sys.argv[1:] = with_config_paths(argv)
+        names = ", ".join(sorted(path.stem for path in shipped_configs().glob("*.yaml")))
+        TorchHandleCLI(
+            Seq2SeqModule,
+            Seq2SeqDataModule,
+            subclass_mode_data=True,
+            save_config_kwargs={"overwrite": True},
+            parser_class=OneLineErrorParser,
+            parser_kwargs={"description": DESCRIPTION + names + "."},
+            args=with_config_paths(argv) if args is not None else None,
+        )
+    except Exception as err:
+        cause = user_error(err)
+        if cause is None:
+            raise
+        sys.exit(f"error: {cause}")
+
+
+if __name__ == "__main__":
+    main()
