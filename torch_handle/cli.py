@@ -192,10 +192,8 @@ def user_error(err: BaseException | None) -> BaseException | None:
 
 
 def shipped_configs() -> Path:
-    """The shipped ``configs/``: inside the installed package, or at the top of a checkout (editable install)."""
-    package = Path(__file__).resolve().parent
-    installed = package / "configs"
-    return installed if installed.is_dir() else package.parent / "configs"
+    """The shipped ``configs/`` (in a checkout ``torch_handle/configs`` links to the top-level folder)."""
+    return Path(__file__).parent / "configs"
 
 
 def config_path(value: str) -> str:
