@@ -32,6 +32,7 @@ from torch_handle.export import configure_from_exported, exported_weights, is_ex
 from torch_handle.hparams import RUNTIME, explicit_model_options, merge_checkpoint_options
 from torch_handle.model import BackendUnavailableError, ConfigError
 from torch_handle.module import Seq2SeqModule
+from torch_handle.strategies import require_deepspeed
 
 # Lightning's MisconfigurationException: the Trainer's and callbacks' own checks of their settings.
 USER_ERRORS = (CheckpointError, ConfigError, DataError, SetupError, BackendUnavailableError, MisconfigurationException)
@@ -137,6 +138,9 @@ class TorchHandleCLI(LightningCLI):
                 f"--checkpoint.save_top_k={checkpoint.save_top_k} keeps the best checkpoints by a metric: set "
                 "--checkpoint.monitor (e.g. val/loss), or save_top_k to -1 (all), 0 or 1 (the last)"
             )
+        strategy = config.trainer.strategy
+        if "deepspeed" in str(strategy.get("class_path", "") if isinstance(strategy, Namespace) else strategy).lower():
+            require_deepspeed()  # before jsonargparse folds the strategy's own error into a Union message
         if self.subcommand not in EVALUATE:
             self._use_checkpoint_tokenizer(config)
             return

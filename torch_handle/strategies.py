@@ -12,7 +12,6 @@ Every folder is checked before DeepSpeed or torch.distributed.checkpoint unpickl
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 from collections.abc import Mapping
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.strategies.deepspeed import _DEEPSPEED_AVAILABLE
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import CPUAccelerator
@@ -102,6 +102,12 @@ def use_deepspeed_cpu_accelerator() -> None:
         set_accelerator(CPU_Accelerator())
 
 
+def require_deepspeed() -> None:
+    """DeepSpeed is an optional extra: name its install line (Lightning's error says ``pip install deepspeed``)."""
+    if not _DEEPSPEED_AVAILABLE:
+        raise SetupError("the ZeRO configs need DeepSpeed: pip install 'torch-handle[deepspeed]'")
+
+
 class DeepSpeedStrategy(_SafeFolders, _LightningDeepSpeedStrategy):
     """Lightning's ``DeepSpeedStrategy`` that also runs on ``accelerator="cpu"`` (DeepSpeed's CPU accelerator
     and gloo), and never leaves a half-written checkpoint folder that looks valid.
@@ -110,8 +116,7 @@ class DeepSpeedStrategy(_SafeFolders, _LightningDeepSpeedStrategy):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        if importlib.util.find_spec("deepspeed") is None:  # an optional extra: name the install line
-            raise SetupError("the ZeRO configs need DeepSpeed: pip install 'torch-handle[deepspeed]'")
+        require_deepspeed()
         super().__init__(*args, **kwargs)
 
     @property
