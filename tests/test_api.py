@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 import torch_handle
 from torch_handle.checkpoints import CheckpointError
 from torch_handle.cli import main
+from torch_handle.errors import SetupError
 from torch_handle.export import Decoding, export
 from torch_handle.hierarchical import summarize
 
@@ -113,11 +114,23 @@ def test_summarize_goes_hierarchical_on_a_long_document_as_torch_handle_summariz
     with caplog.at_level(logging.INFO, logger="torch_handle.hierarchical"):
         summaries = model.summarize([document, SENTENCES[0]], batch_size=2)
     assert any(record.getMessage().startswith("level 0:") for record in caplog.records), "not hierarchical"
-    options = dataclasses.asdict(RUN_DECODING)
-    options = {name: options[name] for name in ("max_source_tokens", "num_beams", "max_new_tokens", "length_penalty")}
-    want = [summarize(model.model, model.tokenizer, text, overlap=16, **options) for text in (document, SENTENCES[0])]
+    # The file holds every setting torch_handle.summarize needs.
+    options = model.decoding.summarize_options()
+    assert options == {"max_source_tokens": 64, "overlap": 16, "max_new_tokens": 8, "num_beams": 2, "length_penalty": 1}
+    want = [summarize(model.model, model.tokenizer, text, **options) for text in (document, SENTENCES[0])]
     assert summaries == want
     assert model.summarize(document, batch_size=2) == want[0]
+
+
+def test_translate_cuts_a_text_longer_than_the_model_context_with_a_warning(
+    exported: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = torch_handle.load(exported)
+    long = " ".join(SENTENCES * 4)
+    cut = model.tokenizer.decode(model.tokenizer.encode(long)[:63])
+    with caplog.at_level(logging.WARNING, logger="torch_handle.api"):
+        assert model.translate([long, "a cat"]) == model.translate([cut, "a cat"])
+    assert [r.getMessage() for r in caplog.records] == ["cut 1 of 2 texts to 63 tokens, the model's max_source_tokens"]
 
 
 def _rewrite(exported: Path, output: Path, **metadata: str | None) -> Path:
@@ -188,6 +201,12 @@ def test_a_bad_path_is_one_checkpoint_error_naming_the_file_and_the_fix(
 def test_an_output_longer_than_the_model_context_is_refused_in_one_line(exported: Path) -> None:
     with pytest.raises(ValueError, match=r"^max_new_tokens=64 does not fit the model's max_len=64 .*<= 63$"):
         torch_handle.load(exported).translate(SENTENCES, max_new_tokens=64)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_asking_for_cuda_without_a_cuda_device_is_one_line(exported: Path) -> None:
+    with pytest.raises(SetupError, match=r"^device='cuda', but this machine has no CUDA device: pass device='cpu'$"):
+        torch_handle.load(exported, device="cuda")
 
 
 @pytest.mark.gpu

@@ -18,6 +18,7 @@ import torch
 
 from torch_handle.checkpoints import CheckpointError, is_deepspeed_checkpoint, last_checkpoint
 from torch_handle.data.tokenizer import Tokenizer
+from torch_handle.errors import SetupError
 from torch_handle.export import (
     Decoding,
     exported_decoding,
@@ -71,6 +72,10 @@ class Model:
             batch_size: Texts decoded together, after sorting by length so that little padding is encoded.
             max_new_tokens: Longest output, in tokens.
             length_penalty: Beam-search length normalisation exponent.
+
+        Returns:
+            One output per text in input order (a string for a string), stripped of surrounding whitespace;
+            ``predict`` writes the same text, on one line.
         """
         single, texts = isinstance(texts, str), [texts] if isinstance(texts, str) else list(texts)
         limit = self.decoding.max_source_tokens - 1  # the source ends in <eos>
@@ -100,6 +105,9 @@ class Model:
             max_new_tokens: Longest summary, in tokens (also of each window's summary).
             length_penalty: Beam-search length normalisation exponent.
             overlap: Tokens shared by neighbouring windows of a long document.
+
+        Returns:
+            One summary per document in input order (a string for a string), as :meth:`translate`.
         """
         single, documents = isinstance(documents, str), [documents] if isinstance(documents, str) else list(documents)
         limit = self.decoding.max_source_tokens - 1
@@ -109,16 +117,13 @@ class Model:
         summaries = self._generate([ids[i] for i in short], num_beams, batch_size, max_new_tokens, length_penalty)
         for i, text in zip(short, summaries, strict=True):
             out[i] = text
+        options = {
+            **self.decoding.summarize_options(),
+            **self._options(num_beams, max_new_tokens, length_penalty),
+            **({} if overlap is None else {"overlap": overlap}),
+        }
         for i in (i for i, row in enumerate(ids) if len(row) > limit):
-            out[i] = summarize(
-                self.model,
-                self.tokenizer,
-                documents[i],
-                max_source_tokens=self.decoding.max_source_tokens,
-                overlap=self.decoding.chunk_overlap if overlap is None else overlap,
-                batch_size=batch_size,
-                **self._options(num_beams, max_new_tokens, length_penalty),
-            )
+            out[i] = summarize(self.model, self.tokenizer, documents[i], batch_size=batch_size, **options)
         return out[0] if single else out
 
     def _options(
@@ -166,8 +171,11 @@ def load(path: str | Path, device: str | torch.device = "cpu", attention_backend
 
     Raises:
         CheckpointError: ``path`` is missing, damaged, or not a model; the message names the file and the fix.
+        SetupError: ``device`` is a CUDA device and this machine has none.
     """
     path = Path(path)
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise SetupError(f"device={str(device)!r}, but this machine has no CUDA device: pass device='cpu'")
     if not path.exists():
         raise CheckpointError(f"{path} does not exist: pass {KINDS}")
     if is_exported(path):

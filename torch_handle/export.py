@@ -90,6 +90,17 @@ class Decoding:
             fields["max_new_tokens"] = min(cls.max_new_tokens, context - 1)  # <bos> takes a position
         return cls(**fields)
 
+    def summarize_options(self) -> dict[str, int | float]:
+        """The keyword arguments of :func:`torch_handle.summarize` for this model:
+        ``summarize(model, tokenizer, document, **decoding.summarize_options())``."""
+        return {
+            "max_source_tokens": self.max_source_tokens,
+            "overlap": self.chunk_overlap,
+            "max_new_tokens": self.max_new_tokens,
+            "num_beams": self.num_beams,
+            "length_penalty": self.length_penalty,
+        }
+
 
 def is_exported(path: str | Path) -> bool:
     """Whether ``path`` names an exported model (by its ``.safetensors`` suffix)."""
