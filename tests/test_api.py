@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY_MODEL_ARGS, requires_cuda
+from helpers import reference_run
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -131,6 +132,29 @@ def test_translate_cuts_a_text_longer_than_the_model_context_with_a_warning(
     with caplog.at_level(logging.WARNING, logger="torch_handle.api"):
         assert model.translate([long, "a cat"]) == model.translate([cut, "a cat"])
     assert [r.getMessage() for r in caplog.records] == ["cut 1 of 2 texts to 63 tokens, the model's max_source_tokens"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["zero3", "fsdp"])
+def test_load_reads_a_run_folder_of_sharded_checkpoints(
+    strategy: str, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    """The two-process reference runs that ``test_strategies`` trains (once per session) save folders."""
+    run = reference_run(strategy, tmp_path_factory.getbasetemp())
+    folder = run / "checkpoints" / "last.ckpt"
+    assert folder.is_dir()
+    model = torch_handle.load(run)
+    assert model.decoding == Decoding(max_source_tokens=64, max_new_tokens=16)  # TINY's, the data's cut to max_len
+    if strategy == "zero3":  # the weights DeepSpeed itself gathers from the shards
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        gathered = get_fp32_state_dict_from_zero_checkpoint(str(folder))
+        for name, tensor in model.model.state_dict().items():
+            if f"model.{name}" in gathered:  # DeepSpeed keeps a tied weight under one of its names
+                torch.testing.assert_close(tensor, gathered[f"model.{name}"], atol=0, rtol=0)
+    sentences = ["one two three", "four five six seven", "eight"]
+    exported = torch_handle.load(export(folder, tmp_path / "model.safetensors"))
+    assert model.translate(sentences, num_beams=2) == exported.translate(sentences, num_beams=2)
 
 
 def _rewrite(exported: Path, output: Path, **metadata: str | None) -> Path:
