@@ -4,7 +4,7 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["summarize"]
+__all__ = ["load", "summarize"]
 
 
 def __getattr__(name: str) -> Any:
@@ -13,4 +13,8 @@ def __getattr__(name: str) -> Any:
         from torch_handle.hierarchical import summarize
 
         return summarize
+    if name == "load":
+        from torch_handle.api import load
+
+        return load
     raise AttributeError(f"module 'torch_handle' has no attribute {name!r}")

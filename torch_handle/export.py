@@ -2,8 +2,10 @@
 
 Accepts a Lightning ``.ckpt`` file (single device, DDP), a DeepSpeed ZeRO-1/2/3 checkpoint folder or an
 FSDP sharded checkpoint folder. The output holds the Transformer's weights in float32 and, in the
-safetensors metadata, the model config and the tokenizer as JSON, so that :func:`load_exported` rebuilds a
-model that decodes exactly as it was trained, on one CPU, with no Lightning, DeepSpeed or process group.
+safetensors metadata, the model config (special ids included), the tokenizer and the decoding settings
+(:class:`Decoding`) as JSON, so that :func:`load_exported` rebuilds a model that decodes exactly as it was
+trained, on one CPU, with no Lightning, DeepSpeed or process group. Exports written before the decoding
+settings were stored still load, with :class:`Decoding`'s defaults.
 The attention backend is not part of an export (it is written as ``auto``): the loading machine picks its own,
 so a model trained with xformers on a GPU loads on a CPU. A damaged or foreign file is refused in one line.
 """
@@ -17,6 +19,7 @@ import json
 import logging
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
@@ -42,6 +45,61 @@ log = logging.getLogger(__name__)
 
 FORMAT = "torch-handle/1"
 MODEL_PREFIX = "model."  # the Transformer's attribute on Seq2SeqModule
+
+
+# The data modules' default source lengths, for checkpoints and exports that do not record theirs.
+DEFAULT_MAX_SOURCE_TOKENS = {"translation": 256, "summarization": 32768}
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """How the model decodes by default: ``Seq2SeqModule``'s decoding options and the data's source length.
+
+    Defaults are ``Seq2SeqModule``'s, used for what a checkpoint or an older export does not record.
+
+    Args:
+        task: ``translation`` or ``summarization``: what the model was trained for.
+        max_source_tokens: Longest source the model reads, ``<eos>`` included (``--data.max_source_tokens``,
+            lowered to the model's context); longer summarization documents go hierarchical.
+        num_beams: Beam width (1 = greedy).
+        max_new_tokens: Longest output, in tokens.
+        length_penalty: Beam-search length normalisation exponent.
+        chunk_overlap: Tokens shared by neighbouring windows of a hierarchically summarized document.
+        lead_words: Words of the Lead baseline that summarization ``test`` scores beside the model.
+    """
+
+    task: Literal["translation", "summarization"] = "translation"
+    max_source_tokens: int = 256
+    num_beams: int = 4
+    max_new_tokens: int = 128
+    length_penalty: float = 1.0
+    chunk_overlap: int = 256
+    lead_words: int = 100
+
+    @classmethod
+    def read(cls, values: dict[str, Any], config: TransformerConfig) -> Decoding:
+        """The settings in ``values`` (a checkpoint's hyper-parameters, an export's metadata); defaults for the
+        rest: the data module's source length for the task, and outputs that fit the model's context."""
+        fields = {f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values}
+        task = fields.setdefault("task", cls.task)
+        context = config.context_length
+        if "max_source_tokens" not in fields:
+            default = DEFAULT_MAX_SOURCE_TOKENS[task]
+            fields["max_source_tokens"] = default if context is None else min(default, context)
+        if "max_new_tokens" not in fields and context is not None:
+            fields["max_new_tokens"] = min(cls.max_new_tokens, context - 1)  # <bos> takes a position
+        return cls(**fields)
+
+    def summarize_options(self) -> dict[str, int | float]:
+        """The keyword arguments of :func:`torch_handle.summarize` for this model:
+        ``summarize(model, tokenizer, document, **decoding.summarize_options())``."""
+        return {
+            "max_source_tokens": self.max_source_tokens,
+            "overlap": self.chunk_overlap,
+            "max_new_tokens": self.max_new_tokens,
+            "num_beams": self.num_beams,
+            "length_penalty": self.length_penalty,
+        }
 
 
 def is_exported(path: str | Path) -> bool:
@@ -86,9 +144,28 @@ def _config_and_tokenizer(path: Path, state: dict[str, Any]) -> tuple[Transforme
     raise CheckpointError(f"{path} holds no tokenizer and has no {TOKENIZER_FILE} beside it")
 
 
+def _decoding(state: dict[str, Any], config: TransformerConfig) -> Decoding:
+    """The module's decoding options and the data module's source length (saved in its ``state_dict``)."""
+    values = dict(state.get("hyper_parameters", {}))
+    for value in state.values():
+        if isinstance(value, dict) and "max_source_tokens" in value:
+            values["max_source_tokens"] = value["max_source_tokens"]
+    return Decoding.read(values, config)
+
+
 def read_checkpoint(checkpoint: str | Path) -> tuple[dict[str, Tensor], TransformerConfig, str]:
     """The Transformer's float32 weights, its config (with ``attention_backend='auto'``) and the tokenizer JSON of
     any training checkpoint.
+
+    Args:
+        checkpoint: A ``.ckpt`` file, a DeepSpeed checkpoint folder or an FSDP sharded checkpoint folder.
+    """
+    weights, config, tokenizer, _ = read_model(checkpoint)
+    return weights, config, tokenizer
+
+
+def read_model(checkpoint: str | Path) -> tuple[dict[str, Tensor], TransformerConfig, str, Decoding]:
+    """As :func:`read_checkpoint`, and the checkpoint's :class:`Decoding` settings.
 
     Args:
         checkpoint: A ``.ckpt`` file, a DeepSpeed checkpoint folder or an FSDP sharded checkpoint folder.
@@ -105,7 +182,7 @@ def read_checkpoint(checkpoint: str | Path) -> tuple[dict[str, Tensor], Transfor
     model = Transformer(config)
     weights = {k: v.clone() for k, v in with_tied_weights(weights, model).items()}  # DeepSpeed keeps one name
     model.load_state_dict(weights, strict=True)  # fails here, not at load time, on a mismatch
-    return weights, config, tokenizer
+    return weights, config, tokenizer, _decoding(state, config)
 
 
 def export(checkpoint: str | Path, output: str | Path) -> Path:
@@ -115,10 +192,15 @@ def export(checkpoint: str | Path, output: str | Path) -> Path:
         checkpoint: A ``.ckpt`` file, a DeepSpeed checkpoint folder or an FSDP sharded checkpoint folder.
         output: The file to write; by convention ``*.safetensors``.
     """
-    weights, config, tokenizer = read_checkpoint(checkpoint)
+    weights, config, tokenizer, decoding = read_model(checkpoint)
     path = Path(checkpoint)
     output = Path(output)
-    metadata = {"format": FORMAT, "transformer": json.dumps(config.to_dict()), "tokenizer": tokenizer}
+    metadata = {
+        "format": FORMAT,
+        "transformer": json.dumps(config.to_dict()),
+        "tokenizer": tokenizer,
+        "decoding": json.dumps(dataclasses.asdict(decoding)),
+    }
     with atomic_path(output) as tmp:  # an interrupted export leaves no file that looks complete
         save_file(weights, tmp, metadata=metadata)
     log.info("exported %d tensors from %s to %s", len(weights), path, output)
@@ -181,6 +263,30 @@ def _exported_config(path: Path, text: str | None, redo: str) -> TransformerConf
         return TransformerConfig(**fields)
     except ConfigError as err:
         raise CheckpointError(f"{path}: {err}: {redo}") from err
+
+
+def exported_decoding(path: str | Path, config: TransformerConfig) -> Decoding:
+    """The decoding settings stored in an exported file already checked by :func:`exported_metadata`;
+    :class:`Decoding`'s defaults for what an export written before they were stored lacks.
+
+    Args:
+        path: A file written by :func:`export`.
+        config: Its model config, which bounds the default lengths.
+    """
+    with safe_open(path, framework="pt") as f:
+        text = (f.metadata() or {}).get("decoding")
+    redo = "export it again with python -m torch_handle.export"
+    try:
+        values = {} if text is None else json.loads(text)
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{path}: its decoding metadata is not JSON ({err}): {redo}") from err
+    if not isinstance(values, dict):
+        raise CheckpointError(f"{path} holds no decoding settings object in its metadata: {redo}")
+    hints = get_type_hints(Decoding)
+    wrong = sorted(name for name, hint in hints.items() if name in values and not _has_type(values[name], hint))
+    if wrong:
+        raise CheckpointError(f"{path}: decoding settings {wrong} have the wrong type: {redo}")
+    return Decoding.read(values, config)
 
 
 def _has_type(value: Any, hint: Any) -> bool:

@@ -182,8 +182,9 @@ class Seq2SeqDataModule(LightningDataModule, ABC):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        """The tokenizer, so a checkpoint decodes with the vocabulary it was trained with."""
-        return {"tokenizer": self.tokenizer.to_str()}
+        """The tokenizer, so a checkpoint decodes with the vocabulary it was trained with, and the source length
+        (the model's context in use), which exports record for decoding."""
+        return {"tokenizer": self.tokenizer.to_str(), "max_source_tokens": self.collator.max_source_tokens}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -1,0 +1,193 @@
+"""Translate and summarize from Python: ``torch_handle.load(path).translate(["a sentence", ...])``.
+
+:func:`load` takes any model a user has: an exported ``.safetensors`` file, a ``.ckpt`` file, a DeepSpeed or FSDP
+checkpoint folder, or a run folder (its ``checkpoints/last.ckpt``). Nothing it reads can run code: exports are
+safetensors and JSON, checkpoints are checked, then read with ``weights_only=True`` (:mod:`torch_handle.checkpoints`).
+Decoding defaults (beams, lengths, the source length) come from the file, as ``cli.py predict`` takes them from the
+checkpoint, so the outputs are those ``predict`` writes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from torch_handle.checkpoints import CheckpointError, is_deepspeed_checkpoint, last_checkpoint
+from torch_handle.data.tokenizer import Tokenizer
+from torch_handle.errors import SetupError
+from torch_handle.export import (
+    Decoding,
+    exported_decoding,
+    exported_metadata,
+    exported_weights,
+    is_exported,
+    read_model,
+)
+from torch_handle.hierarchical import generate_summaries, summarize
+from torch_handle.model import Transformer
+
+log = logging.getLogger(__name__)
+
+KINDS = "a .safetensors export, a .ckpt file, a DeepSpeed or FSDP checkpoint folder, or a run folder"
+
+
+class Model:
+    """A trained Transformer with its tokenizer and decoding defaults; inputs are batched by length internally.
+
+    Methods take a list of strings and return a list in the same order, or one string for one string.
+    Options left as None take the file's defaults (:attr:`decoding`).
+
+    Args:
+        model: The Transformer, on the device to decode on.
+        tokenizer: The tokenizer it was trained with.
+        decoding: Its decoding defaults and source length.
+    """
+
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, decoding: Decoding) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.decoding = decoding
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def translate(
+        self,
+        texts: str | Sequence[str],
+        num_beams: int | None = None,
+        batch_size: int = 32,
+        max_new_tokens: int | None = None,
+        length_penalty: float | None = None,
+    ) -> str | list[str]:
+        """Outputs for ``texts``; a text longer than the model's source length is cut, as ``predict`` does.
+
+        Args:
+            texts: Sentences, or one sentence.
+            num_beams: Beam width (1 = greedy).
+            batch_size: Texts decoded together, after sorting by length so that little padding is encoded.
+            max_new_tokens: Longest output, in tokens.
+            length_penalty: Beam-search length normalisation exponent.
+
+        Returns:
+            One output per text in input order (a string for a string), stripped of surrounding whitespace;
+            ``predict`` writes the same text, on one line.
+        """
+        single, texts = isinstance(texts, str), [texts] if isinstance(texts, str) else list(texts)
+        limit = self.decoding.max_source_tokens - 1  # the source ends in <eos>
+        ids = self.tokenizer.encode_batch(texts) if texts else []
+        long = sum(len(row) > limit for row in ids)
+        if long:
+            log.warning("cut %d of %d texts to %d tokens, the model's max_source_tokens", long, len(ids), limit)
+        out = self._generate([row[:limit] for row in ids], num_beams, batch_size, max_new_tokens, length_penalty)
+        return out[0] if single else out
+
+    def summarize(
+        self,
+        documents: str | Sequence[str],
+        num_beams: int | None = None,
+        batch_size: int = 4,
+        max_new_tokens: int | None = None,
+        length_penalty: float | None = None,
+        overlap: int | None = None,
+    ) -> str | list[str]:
+        """Summaries of ``documents``; one longer than the model's source length is summarized hierarchically
+        (:func:`torch_handle.summarize`: overlapping windows, then their summaries), as ``predict`` does.
+
+        Args:
+            documents: Documents, or one document.
+            num_beams: Beam width (1 = greedy).
+            batch_size: Documents (or windows of one long document) decoded together, sorted by length.
+            max_new_tokens: Longest summary, in tokens (also of each window's summary).
+            length_penalty: Beam-search length normalisation exponent.
+            overlap: Tokens shared by neighbouring windows of a long document.
+
+        Returns:
+            One summary per document in input order (a string for a string), as :meth:`translate`.
+        """
+        single, documents = isinstance(documents, str), [documents] if isinstance(documents, str) else list(documents)
+        limit = self.decoding.max_source_tokens - 1
+        ids = self.tokenizer.encode_batch(documents) if documents else []
+        short = [i for i, row in enumerate(ids) if len(row) <= limit]
+        out = [""] * len(ids)
+        summaries = self._generate([ids[i] for i in short], num_beams, batch_size, max_new_tokens, length_penalty)
+        for i, text in zip(short, summaries, strict=True):
+            out[i] = text
+        options = {
+            **self.decoding.summarize_options(),
+            **self._options(num_beams, max_new_tokens, length_penalty),
+            **({} if overlap is None else {"overlap": overlap}),
+        }
+        for i in (i for i, row in enumerate(ids) if len(row) > limit):
+            out[i] = summarize(self.model, self.tokenizer, documents[i], batch_size=batch_size, **options)
+        return out[0] if single else out
+
+    def _options(
+        self, num_beams: int | None, max_new_tokens: int | None, length_penalty: float | None
+    ) -> dict[str, int | float]:
+        """The decoding options, the file's defaults for those left as None, checked against the model."""
+        d = self.decoding
+        options = {
+            "num_beams": d.num_beams if num_beams is None else num_beams,
+            "max_new_tokens": d.max_new_tokens if max_new_tokens is None else max_new_tokens,
+            "length_penalty": d.length_penalty if length_penalty is None else length_penalty,
+        }
+        context = self.model.config.context_length
+        if context is not None and options["max_new_tokens"] + 1 > context:
+            raise ValueError(
+                f"max_new_tokens={options['max_new_tokens']} does not fit the model's max_len={context} "
+                f"(<bos> takes a position): pass max_new_tokens <= {context - 1}"
+            )
+        return options
+
+    def _generate(
+        self,
+        sources: list[list[int]],
+        num_beams: int | None,
+        batch_size: int,
+        max_new_tokens: int | None,
+        length_penalty: float | None,
+    ) -> list[str]:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        options = self._options(num_beams, max_new_tokens, length_penalty)
+        if not sources:
+            return []
+        return generate_summaries(self.model, self.tokenizer, sources, batch_size=batch_size, **options)
+
+
+def load(path: str | Path, device: str | torch.device = "cpu", attention_backend: str = "auto") -> Model:
+    """The model at ``path``, in evaluation mode on ``device``, ready to translate or summarize.
+
+    Args:
+        path: An exported ``.safetensors`` file, a ``.ckpt`` file, a DeepSpeed or FSDP checkpoint folder, or a run
+            folder (``--trainer.default_root_dir``: its ``checkpoints/last.ckpt`` is loaded).
+        device: Where to decode: ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ...
+        attention_backend: The attention kernel on this machine (``auto`` picks one).
+
+    Raises:
+        CheckpointError: ``path`` is missing, damaged, or not a model; the message names the file and the fix.
+        SetupError: ``device`` is a CUDA device and this machine has none.
+    """
+    path = Path(path)
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise SetupError(f"device={str(device)!r}, but this machine has no CUDA device: pass device='cpu'")
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist: pass {KINDS}")
+    if is_exported(path):
+        config, tokenizer = exported_metadata(path)
+        decoding, weights = exported_decoding(path, config), exported_weights(path)
+    else:
+        if path.is_dir() and not (is_deepspeed_checkpoint(path) or (path / ".metadata").is_file()):
+            if not (path / "checkpoints").is_dir():
+                raise CheckpointError(f"{path} is a folder but not a checkpoint or a run folder: pass {KINDS}")
+            path = last_checkpoint(path / "checkpoints")
+        weights, config, text, decoding = read_model(path)
+        tokenizer = Tokenizer.from_str(text)
+    model = Transformer(dataclasses.replace(config, attention_backend=attention_backend))
+    model.load_state_dict(weights, strict=True)
+    return Model(model.to(device), tokenizer, decoding)
