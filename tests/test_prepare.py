@@ -206,3 +206,15 @@ def test_a_missing_data_folder_names_the_prepare_command(
     with pytest.raises(SystemExit) as exit_info:
         cli_main(["fit", "--config", config, f"--trainer.default_root_dir={tmp_path}"])
     assert _error(exit_info) == expected
+
+
+def test_a_missing_corpus_file_names_the_prepare_command_and_other_paths_do_not() -> None:
+    assert corpora.missing("data/multi30k/test_2017_mscoco.de", "--data.init_args.data_dir") == (
+        "data/multi30k/test_2017_mscoco.de does not exist: download it with torch-handle prepare multi30k --out data "
+        "(or pass --data.init_args.data_dir PATH)"
+    )
+    assert corpora.missing("/srv/corpora/squality") == (
+        "/srv/corpora/squality does not exist: download it with torch-handle prepare squality --out /srv/corpora"
+    )
+    assert corpora.missing("data/multi30k/notes.txt") is None  # not a file prepare writes
+    assert corpora.missing("data/my_corpus") is None

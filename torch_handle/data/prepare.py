@@ -1,11 +1,13 @@
 """Download a corpus from its official repository, verify it, and write the files the configs read.
 
-``torch-handle prepare multi30k|qmsum|squality --out data`` (or ``python -m torch_handle.data.prepare``) writes
-``data/multi30k/{split}.{en,de}``, ``data/qmsum/{train,val,test}.jsonl`` or
-``data/squality/{train,dev,test}_plot.jsonl`` (with the corpus's licences). Every file is checked against the
-sha256 pinned in :mod:`torch_handle.data.corpora` before it is written, and written whole or not at all; a
-later run re-verifies what it finds and downloads only what is missing or wrong, so an interrupted run is
-simply run again.
+  torch-handle prepare multi30k --out data   ->  data/multi30k/{split}.en and {split}.de
+  torch-handle prepare qmsum --out data      ->  data/qmsum/{train,val,test}.jsonl
+  torch-handle prepare squality --out data   ->  data/squality/{train,dev,test}_plot.jsonl
+
+(also python -m torch_handle.data.prepare), with the corpus's licences. Each file is checked against the
+sha256 pinned in torch_handle/data/corpora.py before it is written, and is written whole or not at all; a later
+run re-verifies what it finds and downloads only what is missing or wrong, so an interrupted run is simply run
+again. Offline, copy the repository's files into a folder (a git clone has them) and pass --mirror FOLDER.
 """
 
 from __future__ import annotations
@@ -106,7 +108,7 @@ def _convert(file: CorpusFile, data: bytes, url: str, folder: Path) -> bytes:
 
 def main(argv: list[str] | None = None) -> None:
     """``torch-handle prepare CORPUS [--out DIR] [--mirror URL] [--splits ...]``."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("corpus", choices=sorted(CORPORA), help="the corpus to fetch")
     parser.add_argument(
         "--out", default="data", help="folder to write CORPUS/ in (default: data, where the shipped configs look)"
