@@ -51,7 +51,8 @@ def shared_data() -> Path:
 
 @dataclass
 class CorpusServer:
-    """A local stand-in for the corpora's GitHub repositories: ``{url}/{corpus}/`` + a path in the repository."""
+    """A local stand-in for the corpora's GitHub repositories: ``{url}/{corpus}/`` + a path in the repository;
+    ``{url}/cut/{corpus}/...`` sends half of each file and hangs up."""
 
     url: str
     root: Path
@@ -104,7 +105,15 @@ def corpus_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CorpusSe
     class Handler(SimpleHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
             server.requests.append(self.path)
-            super().do_GET()
+            if not self.path.startswith("/cut/"):
+                super().do_GET()
+                return
+            data = (root / self.path.removeprefix("/cut/")).read_bytes()  # a connection lost halfway
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data[: len(data) // 2])
+            self.close_connection = True
 
         def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - http.server's name
             pass
