@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import gzip
+import json
+import threading
 from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import partial
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -32,13 +38,107 @@ def single_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
 @pytest.fixture
 def shared_data() -> Path:
     """The data sets shared across checkouts (``<workspace>/shared/data``); skips when absent."""
-    path = Path(__file__).resolve().parents[2] / "shared" / "data"
-    if not path.is_dir():
-        pytest.skip(f"shared data directory {path} is absent")
-    return path
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"shared data directory {SHARED_DATA} is absent")
+    return SHARED_DATA
+
+
+@dataclass
+class CorpusServer:
+    """A local stand-in for the corpora's GitHub repositories: ``{url}/{corpus}/`` + a path in the repository;
+    ``{url}/cut/{corpus}/...`` sends half of each file and hangs up."""
+
+    url: str
+    root: Path
+    requests: list[str] = field(default_factory=list)  # paths asked for, in order
+
+
+@pytest.fixture(scope="session")
+def corpus_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CorpusServer]:
+    """Serves, on 127.0.0.1, the official files ``torch-handle prepare`` downloads, rebuilt from ``../shared/data``.
+
+    Multi30k's train, val and test_2016_flickr are gzipped as the official repository has them (so their
+    pinned checksums verify); QMSum's val and SQuALITY's train and dev are rebuilt as official records with only
+    the fields the converters read (their bytes differ from the official files, their conversions do not).
+    """
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"shared data directory {SHARED_DATA} is absent")
+    root = tmp_path_factory.mktemp("corpus_server")
+    for split in ("train", "val", "test_2016_flickr"):
+        for lang in ("en", "de"):
+            data = (SHARED_DATA / "multi30k" / f"{split}.{lang}").read_bytes()
+            _put(root / "multi30k" / "data/task1/raw" / f"{split}.{lang}.gz", gzip.compress(data, mtime=0))
+    meetings = [
+        {
+            "general_query_list": [{"query": row["query"], "answer": row["summary"]}],
+            "meeting_transcripts": [dict(zip(("speaker", "content"), turn.split(": ", 1), strict=True))
+                                    for turn in row["document"].split("\n")],
+        }
+        for row in _rows(SHARED_DATA / "qmsum" / "val.jsonl")
+    ]  # fmt: skip
+    _put(root / "qmsum" / "data/ALL/jsonl/val.jsonl", _jsonl(meetings))
+    _put(root / "qmsum" / "LICENSE", (SHARED_DATA / "qmsum" / "LICENSE").read_bytes())
+    for split in ("train", "dev"):
+        stories = [
+            {
+                "metadata": {"passage_id": row["id"]},
+                "document": row["document"],
+                "questions": [  # the plot question is number 1, not necessarily first
+                    {"question_number": 2, "responses": [{"response_text": "not a plot summary"}]},
+                    {"question_number": 1, "responses": [{"response_text": text} for text in row["summaries"]]},
+                ],
+            }
+            for row in _rows(SHARED_DATA / "squality" / f"{split}_plot.jsonl")
+        ]
+        _put(root / "squality" / "data/v1-3/txt" / f"{split}.jsonl", _jsonl(stories))
+    for name, source in (("LICENSE_summaries_CC-BY-4.0", "LICENSE"), ("GUTENBERG_LICENSE", "GUTENBERG_LICENSE")):
+        _put(root / "squality" / "data" / source, (SHARED_DATA / "squality" / name).read_bytes())
+
+    server = CorpusServer("", root)
+
+    class Handler(SimpleHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            server.requests.append(self.path)
+            if not self.path.startswith("/cut/"):
+                super().do_GET()
+                return
+            data = (root / self.path.removeprefix("/cut/")).read_bytes()  # a connection lost halfway
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data[: len(data) // 2])
+            self.close_connection = True
+
+        def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - http.server's name
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), partial(Handler, directory=str(root)))
+    server.url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    httpd.shutdown()
+    httpd.server_close()
+    thread.join()
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def _jsonl(rows: list[dict]) -> bytes:
+    return "".join(json.dumps(row) + "\n" for row in rows).encode()
+
+
+def _put(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
 
 
 TINY_MODEL_ARGS = [

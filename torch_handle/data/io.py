@@ -7,6 +7,7 @@ from pathlib import Path
 
 from lightning.pytorch.utilities import rank_zero_warn
 
+from torch_handle.data.corpora import missing
 from torch_handle.errors import DataError
 
 
@@ -25,11 +26,12 @@ def read_text(path: str | Path) -> str:
         path: A UTF-8 file (a leading byte-order mark is dropped).
 
     Raises:
-        DataError: The file is missing, empty, or not UTF-8 (naming the first bad line).
+        DataError: The file is missing (naming the ``prepare`` command when it is a corpus file), empty, or not
+            UTF-8 (naming the first bad line).
     """
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"{path}: file not found; check the path")
+        raise DataError(missing(path) or f"{path}: file not found; check the path")
     data = path.read_bytes()
     try:
         text = data.decode("utf-8-sig")

@@ -1,16 +1,24 @@
 """Summarization data: long documents and their summaries in JSON-lines files."""
 
+from pathlib import Path
 from typing import Literal
 
 from typing_extensions import override
 
 from torch_handle.data.base import Seq2SeqDataModule, Split, TextSplit
+from torch_handle.data.corpora import missing
 from torch_handle.data.io import read_documents, read_jsonl
 from torch_handle.errors import DataError
 
 
 class SummarizationDataModule(Seq2SeqDataModule):
-    """(document, summary) pairs from JSON lines, e.g. QMSum or SQuALITY."""
+    """(document, summary) pairs from JSON-lines files, e.g. QMSum or SQuALITY.
+
+    ``torch-handle prepare squality --out data`` writes ``data/squality/{train,dev,test}_plot.jsonl``, one story
+    per line with ``id, document, summaries, summary``; ``prepare qmsum`` writes
+    ``data/qmsum/{train,val,test}.jsonl``, one meeting per line with ``id, query, document, summary, doc_words``,
+    the document being the transcript as ``speaker: words`` turns, one per line.
+    """
 
     def __init__(
         self,
@@ -34,8 +42,12 @@ class SummarizationDataModule(Seq2SeqDataModule):
         """Configures where the documents come from and how they are batched.
 
         Args:
-            train_file: JSON lines with a document and a summary field per line; needed to fit, and to
-                train a tokenizer when ``tokenizer_path`` is not set.
+            train_file: JSON lines: one object per line with the string fields ``document`` and ``summary``
+                (the names ``document_field`` and ``summary_field`` give; other fields are ignored), as
+                ``torch-handle prepare squality|qmsum --out data`` writes under ``data/``. A story with several
+                references (SQuALITY has four) lists them all in ``summaries`` and repeats the first in
+                ``summary``, the one trained on and scored against. Needed to fit, and to train a tokenizer when
+                ``tokenizer_path`` is not set. Relative paths are from the working directory.
             val_file: Like ``train_file``; None skips validation.
             test_file: Like ``train_file``, for ``test``.
             predict_file: Documents to summarize: JSON lines with ``document_field``, or plain text with one
@@ -80,6 +92,9 @@ class SummarizationDataModule(Seq2SeqDataModule):
                 return None
             hint = " (to only test or predict, --data.tokenizer_path is enough)" if split == "train" else ""
             raise DataError(f"no {split} data: set --data.{split}_file to a JSON-lines file{hint}")
+        hint = missing(path, f"--data.init_args.{split}_file")
+        if hint is not None and not Path(path).exists():
+            raise DataError(hint)
         settings = {self.document_field: "--data.document_field", self.summary_field: "--data.summary_field"}
         if split == "predict":
             records = read_documents(path, self.document_field, settings[self.document_field])

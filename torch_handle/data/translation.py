@@ -5,6 +5,7 @@ from pathlib import Path
 from typing_extensions import override
 
 from torch_handle.data.base import Seq2SeqDataModule, Split, TextSplit
+from torch_handle.data.corpora import missing
 from torch_handle.data.demo import demo_corpus
 from torch_handle.data.io import read_lines, read_parallel
 from torch_handle.errors import DataError
@@ -38,13 +39,16 @@ class TranslationDataModule(Seq2SeqDataModule):
         """Configures where the pairs come from and how they are batched.
 
         Args:
-            data_dir: Folder of line-aligned files named ``{split}.{lang}``, e.g. Multi30k's ``train.en``
-                and ``train.de``. None uses the built-in demo task, generated in memory (no download).
+            data_dir: Folder of line-aligned UTF-8 text files named ``{split}.{lang}``, one sentence per line,
+                e.g. Multi30k's ``train.en`` and ``train.de``, which ``torch-handle prepare multi30k --out data``
+                writes to ``data/multi30k`` (relative paths are from the working directory). None uses the
+                built-in demo task, generated in memory (no download).
             src_lang: File suffix of the source language.
             tgt_lang: File suffix of the target language.
             train_split: File stem of the training split.
             val_split: File stem of the validation split.
-            test_split: File stem of the test split (Multi30k: ``test_2016_flickr``).
+            test_split: File stem of the test split (Multi30k: ``test_2016_flickr``, ``test_2017_flickr``,
+                ``test_2018_flickr`` or ``test_2017_mscoco``).
             predict_file: Text file to translate, one sentence per line; output keeps its line order.
             tokenizer_path: A saved ``tokenizer.json`` to use. None trains a joint source+target BPE on the
                 training split (deterministic, so every rank trains the same one); checkpoints store it.
@@ -72,7 +76,10 @@ class TranslationDataModule(Seq2SeqDataModule):
             seed=seed,
         )
         if data_dir is not None and not Path(data_dir).is_dir():
-            raise DataError(f"data_dir {data_dir} not found; pass an existing folder, or omit it for the demo")
+            raise DataError(
+                missing(data_dir, "--data.init_args.data_dir")
+                or f"data_dir {data_dir} not found; pass an existing folder, or omit it for the demo"
+            )
         self.data_dir = data_dir
         self.src_lang = src_lang
         self.tgt_lang = tgt_lang
