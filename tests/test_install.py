@@ -4,16 +4,20 @@ a ZeRO config without DeepSpeed says how to install it."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import venv
 from pathlib import Path
 
 import pytest
+from conftest import CorpusServer
 
 from tests.helpers import ROOT, TINY_MODEL, env
 from torch_handle import __version__
 from torch_handle.cli import main
+
+UNSHIPPED = (".git", "build", "*.egg-info", "runs", "__pycache__", ".pytest_cache", ".ruff_cache")
 
 
 def _run(args: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -28,29 +32,48 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     dependencies, so nothing is downloaded; the project itself comes only from the venv."""
     home = tmp_path_factory.mktemp("venv")
     venv.create(home, system_site_packages=True, with_pip=False)
+    source = tmp_path_factory.mktemp("source") / "torch-handle"  # a clean copy: no stale build/ folder
+    shutil.copytree(ROOT, source, symlinks=True, ignore=shutil.ignore_patterns(*UNSHIPPED))
     pip = [sys.executable, "-m", "pip", "--python", str(home / "bin" / "python")]
-    _run([*pip, "install", "--no-deps", "--no-build-isolation", "--no-index", "--quiet", str(ROOT)], home)
+    _run([*pip, "install", "--no-deps", "--no-build-isolation", "--no-index", "--quiet", str(source)], home)
     return home
 
 
 @pytest.mark.slow
-def test_installed_command_trains_and_tests_the_demo_outside_the_checkout(installed: Path, tmp_path: Path) -> None:
-    python, command = installed / "bin" / "python", installed / "bin" / "torch-handle"
-    where = _run([str(python), "-c", _WHERE], tmp_path).stdout.split()
+def test_a_fresh_install_prepares_multi30k_trains_tests_and_translates_from_python(
+    installed: Path, corpus_server: CorpusServer, tmp_path: Path
+) -> None:
+    """The README's path for a new user, outside the checkout: install, prepare, fit, test, then Python."""
+    python, command = str(installed / "bin" / "python"), str(installed / "bin" / "torch-handle")
+    where = _run([python, "-c", _WHERE], tmp_path).stdout.split()
     assert where[0].startswith(str(installed)), where  # the venv's copy, not the checkout
     assert where[1:] == ["None", "True", "True"], where  # no top-level callbacks; callbacks and configs inside
-    assert _run([str(command), "--version"], tmp_path).stdout == f"torch-handle {__version__}\n"
+    assert _run([command, "--version"], tmp_path).stdout == f"torch-handle {__version__}\n"
+
+    splits = ["train", "val", "test_2016_flickr"]  # those the local server has
+    _run([command, "prepare", "multi30k", "--mirror", f"{corpus_server.url}/multi30k", "--splits", *splits], tmp_path)
     tiny = [
-        *TINY_MODEL, "--model.transformer.max_len", "64", "--model.max_new_tokens", "16",
-        "--data.init_args.demo_size", "400", "--data.init_args.bpe_vocab_size", "300",
-        "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", "run", "--trainer.max_epochs", "1",
+        "--config", "multi30k", *TINY_MODEL, "--model.max_new_tokens", "16", "--data.init_args.bpe_vocab_size", "500",
+        "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", "run",
     ]  # fmt: skip
-    _run([str(command), "fit", "--config", "demo", *tiny], tmp_path)
+    _run([command, "fit", *tiny, "--trainer.max_steps", "20", "--trainer.limit_val_batches", "2"], tmp_path)
     assert (tmp_path / "run" / "checkpoints" / "last.ckpt").is_file()
-    tested = _run([str(command), "test", "--config", "demo", *tiny], tmp_path)
+    tested = _run([command, "test", *tiny, "--trainer.limit_test_batches", "2"], tmp_path)
     assert "test/bleu" in tested.stdout
 
+    sentences = ["A man in an orange hat starring at something.", "Two dogs play in the snow."]
+    translated = _run([python, "-c", _TRANSLATE, *sentences], tmp_path).stdout.splitlines()
+    predicted = tmp_path / "predicted.txt"
+    (tmp_path / "sentences.en").write_text("".join(f"{line}\n" for line in sentences))
+    predict = ["--data.init_args.predict_file", "sentences.en", "--prediction_writer.output", str(predicted)]
+    _run([command, "predict", *tiny[2:], "--ckpt_path", "run/checkpoints/last.ckpt", *predict], tmp_path)
+    assert translated == predicted.read_text().splitlines()  # the Python API writes what predict writes
 
+
+_TRANSLATE = """
+import sys, torch_handle
+print("\\n".join(torch_handle.load("run").translate(sys.argv[1:])))
+"""
 _WHERE = """
 import importlib.util, torch_handle, torch_handle.callbacks.checkpointing as c
 from torch_handle.cli import shipped_configs
