@@ -12,6 +12,8 @@ from torch_handle.errors import DataError
 class SummarizationDataModule(Seq2SeqDataModule):
     """(document, summary) pairs from JSON lines, e.g. QMSum or SQuALITY."""
 
+    whole_source_splits = ("test", "predict")  # longer documents are summarized hierarchically, never cut
+
     def __init__(
         self,
         train_file: str | None = None,
