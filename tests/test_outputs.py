@@ -121,6 +121,7 @@ def test_test_ends_with_the_score_its_signature_and_the_checkpoint(
         f"checkpoint: {tiny_demo_run / 'checkpoints' / 'last.ckpt'}",
     ]
     assert _versions(tiny_demo_run) == versions, "test created a logger folder"
+    assert not (tiny_demo_run / "config.yaml").exists(), "evaluation without a logger saves no config"
 
 
 def test_summarization_summary_names_the_rouge_variant_and_the_lead_baseline() -> None:

@@ -175,7 +175,8 @@ class TorchHandleCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         """Lightning's default logger (TensorBoard in ``default_root_dir``) without its placeholder ``hp_metric = -1``,
         for ``fit``; evaluation logs nothing unless ``--trainer.logger`` asks (its results are printed), so it leaves
-        no new ``version_N`` folder. Predictions written to ``-`` keep standard output to themselves: no bar."""
+        no new ``version_N`` folder (nor a ``config.yaml``). Predictions written to ``-`` keep standard output to
+        themselves: no progress bar."""
         config = self.config[self.subcommand] if self.subcommand else self.config
         logger = config.trainer.logger
         if logger is True or (logger is None and self.subcommand in (None, "fit")):
@@ -183,6 +184,8 @@ class TorchHandleCLI(LightningCLI):
             kwargs["logger"] = TensorBoardLogger(root, version=SLURMEnvironment.job_id(), default_hp_metric=False)
         elif logger is None:
             kwargs["logger"] = False
+        if self.subcommand in EVALUATE and not kwargs.get("logger", logger):
+            self.save_config_callback = None  # its config.yaml would land in the run folder, over the last one
         if self.subcommand == "predict" and config.prediction_writer.output == STDOUT:
             kwargs["enable_progress_bar"] = False
         return super().instantiate_trainer(**kwargs)
