@@ -4,6 +4,7 @@ summary, and warnings that say what really happened."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 import warnings
 from pathlib import Path
@@ -143,7 +144,7 @@ def _jsonl(path: Path, documents: list[str]) -> Path:
     return path
 
 
-def test_truncation_is_reported_only_where_documents_are_cut(tmp_path: Path) -> None:
+def test_truncation_is_reported_only_where_documents_are_cut(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Training cuts a long document (warned); test and predict summarize it whole, hierarchically (not warned)."""
     documents = ["a short story", " ".join(f"word{i}" for i in range(100))]
     path = _jsonl(tmp_path / "docs.jsonl", documents)
@@ -152,9 +153,14 @@ def test_truncation_is_reported_only_where_documents_are_cut(tmp_path: Path) -> 
     )
     with pytest.warns(UserWarning, match=rf"{path}: truncated 1 of 2 sources to 15 tokens"):
         data.setup("fit")
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), caplog.at_level(logging.INFO):
         warnings.simplefilter("error")  # any warning fails
         data.setup("test")
         data.setup("predict")
+    said = f"{path}: 1 of 2 sources over 15 tokens are read whole, in windows"
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith(said)] == [
+        f"{said}; the test loss reads their first 15",
+        said,
+    ]
     cut = [flag for batch in data.test_dataloader() for flag in batch["src_truncated"]]
     assert sorted(cut) == [False, True]  # the module summarizes the long one hierarchically

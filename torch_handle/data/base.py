@@ -244,8 +244,11 @@ class Seq2SeqDataModule(LightningDataModule, ABC):
         if split not in self.whole_source_splits:
             self._check_length(text, src_ids, "source", text.source_origin, limit)
         elif long := sum(len(ids) > limit for ids in src_ids):
-            origin, count = text.source_origin, len(src_ids)
-            rank_zero_info(f"{origin}: {long} of {count} sources over {limit} tokens are summarized whole, in windows")
+            loss = f"; the test loss reads their first {limit}" if split == "test" else ""
+            rank_zero_info(
+                f"{text.source_origin}: {long} of {len(src_ids)} sources over {limit} tokens are read whole, "
+                f"in windows{loss}"
+            )
         if text.targets is None:
             return ExampleDataset([Example(ids, s) for ids, s in zip(src_ids, text.sources, strict=True)])
         tgt_ids = self.tokenizer.encode_batch(text.targets)
