@@ -22,10 +22,12 @@ def _tokens(batch: dict[str, Any]) -> int:
 
 
 class Throughput(ThroughputMonitor):
-    """Logs samples/s, tokens/s (source + target), FLOPs/s and MFU per device.
+    """Logs samples/s, tokens/s (source + target: Lightning's ``items_per_sec``), FLOPs/s and MFU per device.
 
-    Batches are built to a token budget, so their size varies: FLOPs are counted for every batch from its
-    real lengths (:mod:`torch_handle.flops`) rather than measured once.
+    On in every ``torch-handle`` run (``--throughput.*`` sets it), for training and validation; decoding in
+    ``test`` and ``predict`` is not measured. Values are averages over ``window_size`` batches, logged every
+    ``--trainer.log_every_n_steps``. Batches are built to a token budget, so their size varies: FLOPs are counted
+    for every batch from its real lengths (:mod:`torch_handle.flops`) rather than measured once.
 
     Args:
         peak_flops: Peak FLOP/s of one device for the run's dtype, e.g. ``989e12`` for an H100/H200 in bf16
@@ -61,3 +63,11 @@ class Throughput(ThroughputMonitor):
         pl_module.flops_per_batch = forward_flops(
             pl_module.config, _lengths(batch, "src"), _lengths(batch, "tgt", drop_last=True)
         )
+
+    @override
+    def on_test_batch_end(self, *args: Any, **kwargs: Any) -> None:
+        """Not measured: test time is decoding, which neither FLOPs nor target tokens describe."""
+
+    @override
+    def on_predict_batch_end(self, *args: Any, **kwargs: Any) -> None:
+        """Not measured: predict batches have no targets to count."""

@@ -77,8 +77,8 @@ def test_zero3_export_predicts_as_the_gathered_checkpoint(base: Path, tmp_path: 
         "--model.num_beams", "2",
         "--model.max_new_tokens", "8",
     ]  # fmt: skip
-    check(cli(args))
-    predicted = (tmp_path / "predict" / "predictions.txt").read_text().splitlines()
+    (written,) = check(cli(args)).stdout.splitlines()[-1:]  # predict prints the path of the file it wrote
+    predicted = Path(written).read_text().splitlines()
 
     # The same decoding, in this process, from the ZeRO-3 shards gathered by DeepSpeed itself.
     model, tokenizer = load_exported(exported)

@@ -100,7 +100,7 @@ class StepRecorder(Callback):
     @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.sanity_checking:
-            metrics = {k: float(trainer.callback_metrics[k]) for k in ("val/loss", "val/ppl")}
+            metrics = {k: float(trainer.callback_metrics[k]) for k in ("val/loss", "val/ppl", "val/objective")}
             (Path(trainer.default_root_dir) / f"val.rank{trainer.global_rank}.json").write_text(json.dumps(metrics))
 
 
@@ -190,10 +190,11 @@ def test_validation_loss_and_perplexity_are_corpus_per_token_values(
         sums = torch.tensor([[float(x) for x in module._loss(batch)] for batch in data.val_dataloader()])
     loss, nll, tokens = sums.double().sum(dim=0)
     assert len(sums) > 4 and len(set(sums[:, 2].tolist())) > 2, "batches of different token counts"
-    assert logged[0]["val/loss"] == pytest.approx(float(loss / tokens), rel=1e-6)
+    assert logged[0]["val/loss"] == pytest.approx(float(nll / tokens), rel=1e-6)  # unsmoothed, as ppl
     assert logged[0]["val/ppl"] == pytest.approx(float((nll / tokens).exp()), rel=1e-6)
-    batch_mean = float((sums[:, 0] / sums[:, 2]).mean())  # 1.2e-4 away from the corpus mean (untrained model)
-    assert batch_mean != pytest.approx(float(loss / tokens), rel=1e-5), "the check tells the two apart"
+    assert logged[0]["val/objective"] == pytest.approx(float(loss / tokens), rel=1e-6)  # label-smoothed
+    batch_mean = float((sums[:, 1] / sums[:, 2]).mean())  # away from the corpus mean (untrained model)
+    assert batch_mean != pytest.approx(float(nll / tokens), rel=1e-5), "the check tells the two apart"
 
 
 @pytest.mark.parametrize(("num_replicas", "accumulate"), [(1, 1), (2, 5), (3, 2), (2, 3)])

@@ -11,12 +11,15 @@ import importlib
 import os
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 from jsonargparse import Namespace
 from jsonargparse._actions import _ActionPrintConfig
+from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.pytorch import Trainer
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
+from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
@@ -24,7 +27,8 @@ from typing_extensions import override
 from torch_handle import __version__
 from torch_handle.atomic import lock_run_folder
 from torch_handle.callbacks.checkpointing import Checkpoint
-from torch_handle.callbacks.prediction_writer import PredictionWriter
+from torch_handle.callbacks.prediction_writer import STDOUT, PredictionWriter
+from torch_handle.callbacks.throughput import Throughput
 from torch_handle.checkpoints import TOKENIZER_FILE, CheckpointError, resolve_ckpt_path
 from torch_handle.data.base import Seq2SeqDataModule
 from torch_handle.errors import DataError, SetupError
@@ -56,11 +60,13 @@ class OneLineErrorParser(LightningArgumentParser):
 
 
 class TorchHandleCLI(LightningCLI):
-    """Adds checkpointing and prediction writing, links the vocabulary size, and finds the last checkpoint."""
+    """Adds checkpointing, throughput and prediction writing, links the vocabulary size, and finds the last
+    checkpoint."""
 
     def add_arguments_to_parser(self, parser) -> None:  # noqa: ANN001 - LightningArgumentParser
         parser.add_lightning_class_args(Checkpoint, "checkpoint")
         parser.add_lightning_class_args(PredictionWriter, "prediction_writer")
+        parser.add_lightning_class_args(Throughput, "throughput")
         parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
         parser.link_arguments("trainer.default_root_dir", "checkpoint.dirpath", compute_fn=checkpoint_dir)
         parser.set_defaults(
@@ -169,6 +175,25 @@ class TorchHandleCLI(LightningCLI):
                 f"{self.model.hparams.vocab_size}: pass the checkpoint's tokenizer.json with --data.tokenizer_path"
             )
 
+    @override
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        """Lightning's default logger (TensorBoard in ``default_root_dir``) without its placeholder ``hp_metric = -1``,
+        for ``fit``; evaluation logs nothing unless ``--trainer.logger`` asks (its results are printed), so it leaves
+        no new ``version_N`` folder (nor a ``config.yaml``). Predictions written to ``-`` keep standard output to
+        themselves: no progress bar."""
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        logger = config.trainer.logger
+        if logger is True or (logger is None and self.subcommand in (None, "fit")):
+            root = config.trainer.default_root_dir
+            kwargs["logger"] = TensorBoardLogger(root, version=SLURMEnvironment.job_id(), default_hp_metric=False)
+        elif logger is None:
+            kwargs["logger"] = False
+        if self.subcommand in EVALUATE and not kwargs.get("logger", logger):
+            self.save_config_callback = None  # its config.yaml would land in the run folder, over the last one
+        if self.subcommand == "predict" and config.prediction_writer.output == STDOUT:
+            kwargs["enable_progress_bar"] = False
+        return super().instantiate_trainer(**kwargs)
+
     def before_fit(self) -> None:
         """One run per folder: a second run started in it stops with one line instead of sharing its files."""
         if rank_zero_only.rank == 0:
@@ -179,6 +204,13 @@ class TorchHandleCLI(LightningCLI):
 
     def before_test(self) -> None:
         self._load_exported()
+
+    def after_test(self) -> None:
+        """A few lines after Lightning's table: the headline scores, how they were computed, and the weights used."""
+        lines = self.model.summary("test")  # on every rank: computing a metric may synchronise them
+        if self.trainer.is_global_zero:
+            weights = self.exported or self.trainer.ckpt_path or "none: the model's initial weights"
+            print("\n".join(["", *lines, f"checkpoint: {weights}"]), flush=True)
 
     def before_predict(self) -> None:
         self._load_exported()

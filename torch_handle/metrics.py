@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from importlib.metadata import version
 
 import torch
 from rouge_score import rouge_scorer
@@ -36,6 +37,7 @@ class Rouge(Metric):
 
     def __init__(self, use_stemmer: bool = True) -> None:
         super().__init__()
+        self.use_stemmer = use_stemmer
         self.scorer = rouge_scorer.RougeScorer(list(ROUGE_KEYS), use_stemmer=use_stemmer)
         for key in ROUGE_KEYS:
             self.add_state(key, default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
@@ -51,6 +53,12 @@ class Rouge(Metric):
     def compute(self) -> dict[str, torch.Tensor]:
         count = self.count.clamp(min=1)
         return {key: (getattr(self, key) / count).float() for key in ROUGE_KEYS}
+
+    @property
+    def signature(self) -> str:
+        """How the scores were computed, to print beside them as sacreBLEU's signature is printed beside BLEU."""
+        stemmer = "Porter stemmer" if self.use_stemmer else "no stemmer"
+        return f"rouge-score {version('rouge-score')}, mean F1, {stemmer}, Lsum over sentences split at .!?"
 
 
 def bleu_signature(tokenize: str, lowercase: bool = False) -> str:

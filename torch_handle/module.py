@@ -41,7 +41,9 @@ class Seq2SeqModule(L.LightningModule):
         task: ``translation`` reports sacreBLEU, ``summarization`` ROUGE-1/2/L/Lsum F1, both 0-100 as papers do;
             ``test`` also prints them (BLEU with its sacreBLEU signature). Loss and perplexity are per target token
             over the whole set.
-        label_smoothing: Label smoothing of the cross entropy (the paper uses 0.1).
+        label_smoothing: Label smoothing of the cross entropy (the paper uses 0.1). The optimizer minimises the
+            smoothed cross entropy, logged as ``train/objective``; ``train/loss`` and ``val/loss`` are the plain
+            negative log-likelihood per token (perplexity is its exp), comparable across smoothing settings.
         lr: Peak learning rate, reached after ``warmup_steps``.
         weight_decay: AdamW's decoupled weight decay (not applied to biases, norms and embeddings).
         betas: AdamW's betas.
@@ -105,8 +107,8 @@ class Seq2SeqModule(L.LightningModule):
         self._decoded: set[str] = set()  # stages that decoded in their current epoch
 
     def _new_metrics(self, stage: str) -> torch.nn.ModuleDict:
-        """Per-token loss and NLL (token-weighted means, summed over ranks), and BLEU or ROUGE."""
-        metrics = {"loss": MeanMetric(), "nll": MeanMetric()}
+        """Per-token smoothed objective and NLL (token-weighted means, summed over ranks), and BLEU or ROUGE."""
+        metrics = {"objective": MeanMetric(), "nll": MeanMetric()}
         metrics["score"] = SacreBLEUScore(tokenize=BLEU_TOKENIZE) if self.hparams.task == "translation" else Rouge()
         if stage == "test" and self.hparams.task == "summarization":
             metrics["lead"] = Rouge()
@@ -171,8 +173,10 @@ class Seq2SeqModule(L.LightningModule):
         loss = loss_sum * (self._step_scale() / step_tokens) if step_tokens else loss_sum / tokens
         per_token = tokens.clamp(min=1)
         batch_size = batch["tgt"].shape[0]
-        self.log("train/loss", loss_sum.detach() / per_token, prog_bar=True, batch_size=batch_size)  # per token
-        self.log("train/ppl", (nll_sum.detach() / per_token).exp(), batch_size=batch_size)
+        nll = nll_sum.detach() / per_token  # per token, without label smoothing
+        self.log("train/loss", nll, prog_bar=True, batch_size=batch_size)
+        self.log("train/objective", loss_sum.detach() / per_token, batch_size=batch_size)  # what the step minimises
+        self.log("train/ppl", nll.exp(), batch_size=batch_size)
         self.log("train/tokens", tokens.float(), reduce_fx="sum", batch_size=batch_size)
         return loss
 
@@ -192,7 +196,7 @@ class Seq2SeqModule(L.LightningModule):
             return
         metrics = self.eval_metrics[stage]
         per_token = tokens.clamp(min=1)
-        metrics["loss"].update(loss_sum / per_token, weight=tokens)  # weighted by tokens: the corpus mean
+        metrics["objective"].update(loss_sum / per_token, weight=tokens)  # weighted by tokens: the corpus mean
         metrics["nll"].update(nll_sum / per_token, weight=tokens)
         if predictions is not None:
             references = batch["tgt_text"]
@@ -229,14 +233,15 @@ class Seq2SeqModule(L.LightningModule):
             metric.reset()
 
     def _log_epoch(self, stage: str) -> None:
-        """Logs the set's per-token loss and perplexity (exp of the corpus NLL), and BLEU/ROUGE (0-100).
+        """Logs the set's per-token loss (NLL) and perplexity (its exp), the smoothed objective, and BLEU/ROUGE (0-100).
 
         Every rank computes (``compute`` sums the states over ranks) and logs, also a rank whose batches were
         all repeats: ``ModelCheckpoint`` reads the monitored value on every rank.
         """
         metrics = self.eval_metrics[stage]
-        self.log(f"{stage}/loss", metrics["loss"].compute().float(), prog_bar=True)
-        values = {f"{stage}/ppl": metrics["nll"].compute().exp().float()}
+        nll = metrics["nll"].compute()
+        self.log(f"{stage}/loss", nll.float(), prog_bar=True)
+        values = {f"{stage}/ppl": nll.exp().float(), f"{stage}/objective": metrics["objective"].compute().float()}
         if stage in self._decoded:
             scores = _percent(metrics["score"].compute(), f"{stage}/")
             if "lead" in metrics:
@@ -246,6 +251,23 @@ class Seq2SeqModule(L.LightningModule):
             printed = ", ".join(f"{k.removeprefix(stage + '/')} {float(v):.2f}" for k, v in scores.items())
             rank_zero_info(f"{stage}: {printed}{signature}")
         self.log_dict(values)
+
+    def summary(self, stage: str = "test") -> list[str]:
+        """The set's scores (0-100), one line per metric with how it was computed, from the last evaluation epoch;
+        ``test`` prints them after Lightning's table."""
+        if stage not in self._decoded:
+            return []
+        metrics = self.eval_metrics[stage]
+        if self.hparams.task == "translation":
+            bleu = 100 * float(metrics["score"].compute())
+            return [f"BLEU {bleu:.2f}  (sacreBLEU {bleu_signature(BLEU_TOKENIZE)})"]
+        lines = []
+        for key, label in (("score", "model"), ("lead", f"Lead-{self.hparams.lead_words} baseline")):
+            if key in metrics:
+                scores = metrics[key].compute()
+                printed = "  ".join(f"ROUGE-{name[5:]} {100 * float(value):.2f}" for name, value in scores.items())
+                lines.append(f"{label}: {printed}")
+        return [*lines, f"({metrics['score'].signature})"]
 
     @override
     def on_validation_epoch_end(self) -> None:
@@ -336,8 +358,13 @@ class Seq2SeqModule(L.LightningModule):
         params = [p for p in self.parameters() if p.requires_grad]
         decay = [p for p in params if id(p) in matrices]
         no_decay = [p for p in params if id(p) not in matrices]
+        # The groups' names name their learning rates in the logs (``lr/decay``, ``lr/no_decay``).
+        groups = [
+            {"params": decay, "weight_decay": self.hparams.weight_decay, "name": "decay"},
+            {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
+        ]
         optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            groups,
             lr=self.hparams.lr,
             betas=self.hparams.betas,
         )
@@ -361,4 +388,4 @@ class Seq2SeqModule(L.LightningModule):
             return hparams.min_lr_ratio + (1 - hparams.min_lr_ratio) * (1 + math.cos(math.pi * progress)) / 2
 
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "name": "lr"}}

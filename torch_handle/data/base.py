@@ -7,7 +7,7 @@ from itertools import chain
 from typing import Any, Literal
 
 from lightning.pytorch import LightningDataModule
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
@@ -47,6 +47,9 @@ class Seq2SeqDataModule(LightningDataModule, ABC):
     use (loaded from ``tokenizer_path`` or trained on the train split), so :attr:`vocab_size` is known right
     after ``__init__``, which the CLI needs to size the model before ``setup()`` runs.
     """
+
+    whole_source_splits: tuple[Split, ...] = ()
+    """Splits whose long sources are decoded whole (hierarchically), so not truncated where it matters."""
 
     def __init__(
         self,
@@ -146,7 +149,7 @@ class Seq2SeqDataModule(LightningDataModule, ABC):
         """
         if split not in self._datasets:
             text = self._text(split)
-            self._datasets[split] = None if text is None else self._encode(text)
+            self._datasets[split] = None if text is None else self._encode(text, split)
         return self._datasets[split]
 
     @override
@@ -198,7 +201,7 @@ class Seq2SeqDataModule(LightningDataModule, ABC):
         self._tokenizer = restored
         self._datasets = {}
         for split, text in self._texts.items():
-            self._datasets[split] = None if text is None else self._encode(text)
+            self._datasets[split] = None if text is None else self._encode(text, split)
 
     def _budget_loader(self, split: Split, shuffle: bool) -> DataLoader | list[DataLoader]:
         """A loader batched by token budget and sharded across ranks; ``[]`` (no loop) without data."""
@@ -235,10 +238,18 @@ class Seq2SeqDataModule(LightningDataModule, ABC):
             self._texts[split] = self.read_split(split)
         return self._texts[split]
 
-    def _encode(self, text: TextSplit) -> ExampleDataset:
+    def _encode(self, text: TextSplit, split: Split) -> ExampleDataset:
         """Tokenizes a split in one batch call, applying the truncation policy."""
         src_ids = self.tokenizer.encode_batch(text.sources)
-        self._check_length(text, src_ids, "source", text.source_origin, self.collator.max_source_tokens - 1)
+        limit = self.collator.max_source_tokens - 1
+        if split not in self.whole_source_splits:
+            self._check_length(text, src_ids, "source", text.source_origin, limit)
+        elif long := sum(len(ids) > limit for ids in src_ids):
+            loss = f"; the test loss reads their first {limit}" if split == "test" else ""
+            rank_zero_info(
+                f"{text.source_origin}: {long} of {len(src_ids)} sources over {limit} tokens are read whole, "
+                f"in windows{loss}"
+            )
         if text.targets is None:
             return ExampleDataset([Example(ids, s) for ids, s in zip(src_ids, text.sources, strict=True)])
         tgt_ids = self.tokenizer.encode_batch(text.targets)

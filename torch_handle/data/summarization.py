@@ -20,6 +20,8 @@ class SummarizationDataModule(Seq2SeqDataModule):
     the document being the transcript as ``speaker: words`` turns, one per line.
     """
 
+    whole_source_splits = ("test", "predict")  # longer documents are summarized hierarchically, never cut
+
     def __init__(
         self,
         train_file: str | None = None,
@@ -59,9 +61,11 @@ class SummarizationDataModule(Seq2SeqDataModule):
             bpe_vocab_size: Vocabulary size to train for, special and byte tokens included.
             max_tokens: Padded tokens per batch (batch size x longest sequence); a document longer than this
                 is a batch of its own.
-            max_source_tokens: Longest document kept, ``<eos>`` included; QMSum meetings reach ~32k tokens.
+            max_source_tokens: Longest document read in one pass, ``<eos>`` included; QMSum meetings reach ~32k
+                tokens. Longer ones are cut for the loss and summarized whole, hierarchically, when decoding; test and
+                predict documents are decoded, so only training and validation warn of the cut.
             max_target_tokens: Longest summary kept, ``<bos>`` and ``<eos>`` included.
-            truncation: What to do with longer texts: ``warn`` cuts them and warns once per split with a
+            truncation: What to do with texts that are cut: ``warn`` cuts them and warns once per split with a
                 count; ``error`` stops at the first, naming its file and line.
             predict_batch_size: Documents per prediction batch; small, since documents are long.
             num_workers: DataLoader worker processes; 0 collates in the main process.
