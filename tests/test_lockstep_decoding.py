@@ -75,6 +75,7 @@ class OutputRecorder(Callback):
     @override
     def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         path = Path(trainer.default_root_dir) / f"outputs.rank{trainer.global_rank}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)  # evaluation writes nothing else there
         path.write_text(json.dumps(self.outputs))
 
 

@@ -156,7 +156,7 @@ def test_a_repeated_evaluation_batch_runs_but_is_not_counted() -> None:
     assert len(calls) == 1  # the forward pass still runs: sharded strategies step every rank together
     assert not any(metric.update_called for metric in metrics.values())
     module._evaluate({**batch, "repeat": False}, "test", decode=False)
-    assert metrics["lead"].update_called and metrics["loss"].update_called
+    assert metrics["lead"].update_called and metrics["nll"].update_called and metrics["objective"].update_called
 
 
 def test_validate_then_fit_then_validate_in_one_process() -> None:
