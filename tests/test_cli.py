@@ -404,3 +404,15 @@ def test_predict_on_two_processes_writes_every_line_once_in_order(tiny_demo_run:
     single = outputs[1].read_text(encoding="utf-8")
     assert single.count("\n") == 5
     assert outputs[2].read_text(encoding="utf-8") == single
+
+
+def test_a_new_fit_in_a_run_folder_with_a_checkpoint_is_one_line_and_keeps_it(tiny_demo_run: Path) -> None:
+    """Lightning would save the new run as ``last-v1.ckpt`` while ``test``, ``predict`` and ``--ckpt_path last``
+    kept reading the earlier run's ``last.ckpt``."""
+    before = {path: path.stat().st_mtime_ns for path in tiny_demo_run.rglob("*")}
+    message = _cli_error(["fit", f"--trainer.default_root_dir={tiny_demo_run}", *QUIET])
+    assert message == (
+        f"error: {tiny_demo_run / 'checkpoints' / 'last.ckpt'} is an earlier run's: continue it with --ckpt_path "
+        "last, or start a new run in another --trainer.default_root_dir"
+    )
+    assert {path: path.stat().st_mtime_ns for path in tiny_demo_run.rglob("*")} == before

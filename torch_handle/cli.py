@@ -136,13 +136,22 @@ class TorchHandleCLI(LightningCLI):
         )
 
     def before_instantiate_classes(self) -> None:
-        """A run from a checkpoint (evaluation: by default the run's last) uses the tokenizer saved beside it."""
+        """Checks that need no instantiation; a run from a checkpoint (evaluation: by default the run's last) uses
+        the tokenizer saved beside it."""
         config = self.config[self.subcommand] if self.subcommand else self.config
         checkpoint = config.checkpoint
         if checkpoint.monitor is None and checkpoint.save_top_k not in (-1, 0, 1):
             raise SetupError(
                 f"--checkpoint.save_top_k={checkpoint.save_top_k} keeps the best checkpoints by a metric: set "
                 "--checkpoint.monitor (e.g. val/loss), or save_top_k to -1 (all), 0 or 1 (the last)"
+            )
+        last = Path(checkpoint_dir(config.trainer.default_root_dir)) / "last.ckpt"
+        if self.subcommand == "fit" and config.get("ckpt_path") is None and os.path.lexists(last):
+            # Lightning would save this run as last-v1.ckpt, and test, predict and --ckpt_path last would go on
+            # reading the earlier run's last.ckpt.
+            raise SetupError(
+                f"{last} is an earlier run's: continue it with --ckpt_path last, or start a new run in another "
+                "--trainer.default_root_dir"
             )
         strategy = config.trainer.strategy
         if "deepspeed" in str(strategy.get("class_path", "") if isinstance(strategy, Namespace) else strategy).lower():
