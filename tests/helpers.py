@@ -199,6 +199,7 @@ def reference_run(name: str, base: Path) -> Path:
     """
     if name not in _runs:
         root = base / f"reference-{name}"
-        check(cli(reference_args(name, root)))
+        if not (root / "checkpoints" / "last.ckpt").exists():  # not trained yet in this session
+            check(cli(reference_args(name, root)))
         _runs[name] = root
     return _runs[name]

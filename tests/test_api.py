@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY_MODEL_ARGS, requires_cuda
-from helpers import reference_run
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import torch_handle
+from tests.helpers import reference_run
 from torch_handle.checkpoints import CheckpointError
 from torch_handle.cli import main
 from torch_handle.errors import SetupError

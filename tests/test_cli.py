@@ -16,8 +16,8 @@ import pytest
 import torch
 import yaml
 from conftest import TINY_MODEL_ARGS
-from helpers import RUN_TIMEOUT
 
+from tests.helpers import RUN_TIMEOUT
 from torch_handle.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY_MODEL_ARGS
-from helpers import check, cli
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from tests.helpers import check, cli
 from torch_handle.cli import main
 from torch_handle.data import SummarizationDataModule
 from torch_handle.metrics import bleu_signature
@@ -131,16 +131,17 @@ def test_test_ends_with_the_score_its_signature_and_the_checkpoint(
 
 def test_summarization_summary_names_the_rouge_variant_and_the_lead_baseline() -> None:
     module = Seq2SeqModule(task="summarization", vocab_size=300, lead_words=3)
-    metrics = module.eval_metrics["test"]
-    metrics["score"].update(["the cat sat on the mat."], ["the cat sat on a mat."])
-    metrics["lead"].update(["a dog ran"], ["the cat sat on a mat."])
-    module._decoded.add("test")
-    model, lead, signature = module.summary("test")
-    for line, label, key in ((model, "model", "score"), (lead, "Lead-3 baseline", "lead")):
-        scores = [f"{100 * float(v):.2f}" for v in metrics[key].compute().values()]
-        assert line == f"{label}: ROUGE-1 {scores[0]}  ROUGE-2 {scores[1]}  ROUGE-L {scores[2]}  ROUGE-Lsum {scores[3]}"
-    assert model != lead
+    keys = ("rouge1", "rouge2", "rougeL", "rougeLsum")
+    logged = {
+        f"test/{prefix}{key}": torch.tensor(10.0 * i + j)
+        for i, prefix in enumerate(("", "lead_"))
+        for j, key in enumerate(keys)
+    }
+    model, lead, signature = module.summary(logged, "test")
+    assert model == "model: ROUGE-1 0.00  ROUGE-2 1.00  ROUGE-L 2.00  ROUGE-Lsum 3.00"
+    assert lead == "Lead-3 baseline: ROUGE-1 10.00  ROUGE-2 11.00  ROUGE-L 12.00  ROUGE-Lsum 13.00"
     assert signature.startswith("(rouge-score ") and "mean F1, Porter stemmer" in signature
+    assert module.summary({"test/loss": torch.tensor(1.0)}, "test") == []  # nothing decoded: no summary
 
 
 def _jsonl(path: Path, documents: list[str]) -> Path:

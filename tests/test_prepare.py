@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 from conftest import SHARED_DATA, CorpusServer
-from helpers import RUN_TIMEOUT, env, fit_args, free_port, train_losses
 
+from tests.helpers import RUN_TIMEOUT, env, fit_args, free_port, train_losses
 from torch_handle.cli import main as cli_main
 from torch_handle.data import corpora
 from torch_handle.data.prepare import main

@@ -216,8 +216,8 @@ class TorchHandleCLI(LightningCLI):
 
     def after_test(self) -> None:
         """A few lines after Lightning's table: the headline scores, how they were computed, and the weights used."""
-        lines = self.model.summary("test")  # on every rank: computing a metric may synchronise them
         if self.trainer.is_global_zero:
+            lines = self.model.summary(self.trainer.callback_metrics, "test")
             weights = self.exported or self.trainer.ckpt_path or "none: the model's initial weights"
             print("\n".join(["", *lines, f"checkpoint: {weights}"]), flush=True)
 

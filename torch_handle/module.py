@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import lightning as L
@@ -18,7 +18,7 @@ from torchmetrics.text import SacreBLEUScore
 from typing_extensions import override
 
 from torch_handle.hierarchical import summarize
-from torch_handle.metrics import Rouge, bleu_signature
+from torch_handle.metrics import ROUGE_KEYS, Rouge, bleu_signature
 from torch_handle.model import ConfigError, Transformer, TransformerConfig, generate
 
 Task = Literal["translation", "summarization"]
@@ -252,22 +252,23 @@ class Seq2SeqModule(L.LightningModule):
             rank_zero_info(f"{stage}: {printed}{signature}")
         self.log_dict(values)
 
-    def summary(self, stage: str = "test") -> list[str]:
-        """The set's scores (0-100), one line per metric with how it was computed, from the last evaluation epoch;
-        ``test`` prints them after Lightning's table."""
-        if stage not in self._decoded:
+    def summary(self, logged: Mapping[str, Any], stage: str = "test") -> list[str]:
+        """The set's scores (0-100) as ``logged`` them (the trainer's ``callback_metrics``), one line per metric with
+        how it was computed; ``test`` prints them after Lightning's table. Reads logged values only: no collective
+        runs after the loop, whichever ranks print."""
+        if f"{stage}/{'bleu' if self.hparams.task == 'translation' else 'rouge1'}" not in logged:
             return []
-        metrics = self.eval_metrics[stage]
         if self.hparams.task == "translation":
-            bleu = 100 * float(metrics["score"].compute())
-            return [f"BLEU {bleu:.2f}  (sacreBLEU {bleu_signature(BLEU_TOKENIZE)})"]
+            return [f"BLEU {float(logged[f'{stage}/bleu']):.2f}  (sacreBLEU {bleu_signature(BLEU_TOKENIZE)})"]
         lines = []
-        for key, label in (("score", "model"), ("lead", f"Lead-{self.hparams.lead_words} baseline")):
-            if key in metrics:
-                scores = metrics[key].compute()
-                printed = "  ".join(f"ROUGE-{name[5:]} {100 * float(value):.2f}" for name, value in scores.items())
+        for prefix, label in (("", "model"), ("lead_", f"Lead-{self.hparams.lead_words} baseline")):
+            names = [name for name in ROUGE_KEYS if f"{stage}/{prefix}{name}" in logged]
+            if names:
+                printed = "  ".join(
+                    f"ROUGE-{name[5:]} {float(logged[f'{stage}/{prefix}{name}']):.2f}" for name in names
+                )
                 lines.append(f"{label}: {printed}")
-        return [*lines, f"({metrics['score'].signature})"]
+        return [*lines, f"({self.eval_metrics[stage]['score'].signature})"]
 
     @override
     def on_validation_epoch_end(self) -> None:
