@@ -375,7 +375,8 @@ def test_constructor_error_is_one_line_in_the_real_process(tmp_path: Path) -> No
 
 @pytest.mark.slow
 def test_predict_on_two_processes_writes_every_line_once_in_order(tiny_demo_run: Path, tmp_path: Path) -> None:
-    """Five inputs over two ranks (one repeated to even the shards out): the same file as one process."""
+    """Five inputs over two ranks (one repeated to even the shards out), batched by length: the same file as one
+    process, in input order."""
     inputs = _write(tmp_path / "in.txt", "the dog\nthe cat sees a bird\nmy king\n\ntwo old birds helped the dog\n")
     outputs = {}
     for devices in (1, 2):
@@ -388,7 +389,7 @@ def test_predict_on_two_processes_writes_every_line_once_in_order(tiny_demo_run:
                 *_tiny(tiny_demo_run),
                 f"--data.init_args.predict_file={inputs}",
                 f"--prediction_writer.output={outputs[devices]}",
-                "--data.init_args.predict_batch_size=1",
+                "--data.init_args.predict_batch_size=2",
                 "--model.num_beams=1",
                 "--trainer.accelerator=cpu",
                 f"--trainer.devices={devices}",

@@ -16,6 +16,7 @@ from torch_handle.data import (
     DataError,
     Example,
     ExampleDataset,
+    LengthSortedSampler,
     SummarizationDataModule,
     TokenBudgetBatchSampler,
     Tokenizer,
@@ -175,6 +176,19 @@ def test_sampler_shards_across_two_replicas(num_items: int) -> None:
     assert not {i for b in dropped0 for i in b} & {i for b in dropped1 for i in b}
 
 
+@pytest.mark.parametrize("num_items", [9, 10])
+def test_prediction_order_is_longest_first_and_shards_evenly(num_items: int) -> None:
+    lengths = [int(n) for n in torch.randint(1, 50, (num_items,), generator=torch.Generator().manual_seed(0))]
+    shards = [list(LengthSortedSampler(lengths, num_replicas=2, rank=rank)) for rank in (0, 1)]
+    assert len(shards[0]) == len(shards[1]) == 5  # a tenth index, when needed, repeats the longest example
+    shards[1] = shards[1][: num_items // 2]  # without the repeat
+    for shard in shards:
+        assert [lengths[i] for i in shard] == sorted((lengths[i] for i in shard), reverse=True)
+    assert sorted(shards[0] + shards[1]) == list(range(num_items))
+    alone = list(LengthSortedSampler(lengths))
+    assert sorted(alone) == list(range(num_items)) and alone[0] == max(range(num_items), key=lengths.__getitem__)
+
+
 def test_sampler_resumes_mid_epoch() -> None:
     lengths = _lengths()
     sampler = TokenBudgetBatchSampler(lengths, max_tokens=256, shuffle=True, seed=5)
@@ -263,7 +277,7 @@ def test_translation_demo_and_predict(tmp_path: Path) -> None:
     dm.setup("predict")
     batches = list(dm.predict_dataloader())
     texts = [t for b in batches for t in b["src_text"]]
-    assert texts == ["the dog sees a cat", "", "my two old birds helped the king"]  # order and blanks kept
+    assert texts == ["my two old birds helped the king", "the dog sees a cat", ""]  # longest first, blanks kept
     assert all("tgt" not in b for b in batches)
 
 
@@ -317,7 +331,7 @@ def test_summarization_predict_accepts_json_lines_and_plain_text(tmp_path: Path)
     ):
         dm = SummarizationDataModule(train_file=str(train), predict_file=str(path), bpe_vocab_size=300)
         dm.setup("predict")
-        assert [t for b in dm.predict_dataloader() for t in b["src_text"]] == expected
+        assert sorted(t for b in dm.predict_dataloader() for t in b["src_text"]) == sorted(expected)
 
 
 class _EpochRecorder(pl.LightningModule):

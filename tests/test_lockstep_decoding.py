@@ -17,6 +17,7 @@ from typing import Any
 import lightning as L
 import pytest
 from lightning.pytorch.callbacks import Callback
+from torch import Tensor
 from typing_extensions import override
 
 from tests.helpers import STRATEGY_CONFIGS, TINY_MODEL, check, cli
@@ -62,8 +63,8 @@ class OutputRecorder(Callback):
         outputs: dict[str, Any] = {"long": 0}
         decode = pl_module.decode_batch
 
-        def recording(batch: dict[str, Any]) -> list[str]:
-            texts = decode(batch)
+        def recording(batch: dict[str, Any], memory: Tensor | None = None) -> list[str]:
+            texts = decode(batch, memory)
             if not batch["repeat"]:
                 outputs.update(zip(batch["src_text"], texts, strict=True))
                 outputs["long"] += sum(batch["src_truncated"])

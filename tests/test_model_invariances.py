@@ -186,7 +186,7 @@ class _PrefixCache:
     def extend(self, tokens: list[int]) -> None:
         self.prefixes = [p + (t,) for p, t in zip(self.prefixes or [()] * len(tokens), tokens, strict=True)]
 
-    def reorder(self, index: Tensor) -> None:
+    def select(self, index: Tensor) -> None:
         self.prefixes = [self.prefixes[i] for i in index.tolist()]
 
 
@@ -293,6 +293,27 @@ def test_beam_search_matches_a_plain_reference(kind: str, k: int, length_penalty
         ended.append(expected[-1] == EOS)
     if kind == "scripted":
         assert any(ended) and not all(ended), "the batch should hold both finished and cut-off hypotheses"
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+@torch.no_grad()
+def test_rows_that_finish_leave_the_batch_and_change_no_output(num_beams: int) -> None:
+    # Finished rows (greedy) and finished sources (beam) drop out of the batch, their key/value caches and
+    # encoder output with them: every other row must decode as if it were alone.
+    model = _model(tie_embeddings=False)
+    model.lm_head.weight[EOS] *= 4  # a likely EOS, so that rows end at different steps
+    src = torch.randint(3, VOCAB, (8, 11))
+    src[1, 7:] = PAD
+    src[5, 3:] = PAD
+    steps = 12
+    out = generate(model, src, steps, num_beams)
+    lengths = []
+    for row in range(src.shape[0]):
+        alone = generate(model, src[row : row + 1], steps, num_beams)[0]
+        assert out[row, : len(alone)].tolist() == alone.tolist(), f"row {row}"
+        assert (out[row, len(alone) :] == PAD).all()
+        lengths.append(int((alone != PAD).sum()))
+    assert len(set(lengths)) > 2 and max(lengths) == steps, f"rows should end at different steps: {lengths}"
 
 
 @torch.no_grad()

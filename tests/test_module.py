@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from torch_handle.data import PAD_ID, TranslationDataModule
-from torch_handle.model import TransformerConfig
+from torch_handle.model import TransformerConfig, generate
 from torch_handle.module import Seq2SeqModule
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -150,7 +150,7 @@ def test_a_repeated_evaluation_batch_runs_but_is_not_counted() -> None:
     module = _module(task="summarization")
     batch = {**_batch(), "src_text": ["one two three", "four five"], "tgt_text": ["one", "four"]}
     calls = []
-    module._loss = lambda b: calls.append(b) or Seq2SeqModule._loss(module, b)  # type: ignore[method-assign]
+    module._loss = lambda b, m=None: calls.append(b) or Seq2SeqModule._loss(module, b, m)  # type: ignore[method-assign]
     metrics = module.eval_metrics["test"]
     module._evaluate({**batch, "repeat": True}, "test", decode=False)
     assert len(calls) == 1  # the forward pass still runs: sharded strategies step every rank together
@@ -179,3 +179,20 @@ def test_validate_then_fit_then_validate_in_one_process() -> None:
     (after,) = trainer.validate(module, datamodule=datamodule, verbose=False)
     assert after["val/loss"] == pytest.approx(after_fit, rel=1e-6)
     assert after["val/loss"] != pytest.approx(before["val/loss"], rel=1e-6)  # one step did train
+
+
+def test_evaluation_encodes_each_batch_once_for_the_loss_and_the_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = _module(max_new_tokens=3, num_beams=2)
+    batch = {**_batch(), "tgt_text": ["a b", "c"]}
+    model, encoded, reused = module.model, [], []
+    torch.testing.assert_close(module._loss(batch, model.encode(batch["src"])), module._loss(batch))
+    encode = model.encode
+    monkeypatch.setattr(model, "encode", lambda src: encoded.append(encode(src)) or encoded[-1])
+    monkeypatch.setattr(
+        module, "_generate", lambda src, memory=None: reused.append(memory) or generate(model, src, 3, 2, memory=memory)
+    )
+    tokenizer = Mock(decode_batch=lambda rows: ["x"] * len(rows))
+    monkeypatch.setattr(Seq2SeqModule, "tokenizer", property(lambda _: tokenizer))
+    monkeypatch.setattr(module, "_wait_for_other_ranks", lambda: None)  # one process
+    module._evaluate(batch, "test", decode=True)
+    assert len(encoded) == 1 and reused == encoded  # decoding took the loss's encoder output, and encoded nothing

@@ -126,15 +126,19 @@ class Seq2SeqModule(L.LightningModule):
 
     # --- loss ---------------------------------------------------------------------------------------------
 
-    def _loss(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor, Tensor]:
+    def _loss(self, batch: dict[str, Any], memory: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """Summed label-smoothed cross entropy over non-padding targets; also the summed NLL and the token count.
 
+        ``memory``, the encoder's output for ``batch["src"]``, is passed in evaluation, where decoding reuses it.
         Sums, not means: the caller divides by the tokens of whatever it averages over (an optimizer step, a
         whole evaluation set), so every token weighs the same. One log-softmax serves both: smoothed loss =
         (1 - eps) * NLL + eps * mean over the vocabulary of -log p, as ``F.cross_entropy(label_smoothing=eps)``.
         """
-        tgt = batch["tgt"]
-        logits = self.model(batch["src"], tgt[:, :-1])  # (B, T, V)
+        src, tgt = batch["src"], batch["tgt"]
+        if memory is None:
+            logits = self.model(src, tgt[:, :-1])  # (B, T, V)
+        else:
+            logits = self.model.decode(tgt[:, :-1], memory, self.model.memory_padding(src))
         labels = tgt[:, 1:].reshape(-1)
         log_probs = F.log_softmax(logits.float(), dim=-1).view(-1, logits.shape[-1])
         keep = labels != self.config.pad_id
@@ -188,8 +192,9 @@ class Seq2SeqModule(L.LightningModule):
         A batch that only evens out the batch count across ranks (``batch["repeat"]``) runs like any other,
         because sharded strategies need every rank to step together, but is not counted.
         """
-        loss_sum, nll_sum, tokens = self._loss(batch)
-        predictions = self.decode_batch(batch) if decode else None
+        memory = self.model.encode(batch["src"])  # once, for the loss and for decoding
+        loss_sum, nll_sum, tokens = self._loss(batch, memory)
+        predictions = self.decode_batch(batch, memory) if decode else None
         if decode:
             self._decoded.add(stage)
         if batch.get("repeat", False):
@@ -284,14 +289,17 @@ class Seq2SeqModule(L.LightningModule):
     def predict_step(self, batch: dict[str, Any], batch_idx: int) -> list[str]:
         return self.decode_batch(batch)
 
-    def decode_batch(self, batch: dict[str, Any]) -> list[str]:
+    def decode_batch(self, batch: dict[str, Any], memory: Tensor | None = None) -> list[str]:
         """Outputs for a batch; summarization documents cut by the collator are summarized hierarchically.
+
+        ``memory`` is the encoder's output for ``batch["src"]`` when the caller has it; it is reused where the
+        whole batch is decoded as it stands.
 
         Ranks decode different documents, so a long one takes more ``generate`` calls on one rank than a short
         batch on another; :meth:`_generate` and :meth:`_wait_for_other_ranks` keep their collectives in step.
         """
         if self.hparams.task != "summarization":
-            out = self.tokenizer.decode_batch(self._generate(batch["src"]).tolist())
+            out = self.tokenizer.decode_batch(self._generate(batch["src"], memory).tolist())
             self._wait_for_other_ranks()
             return out
         long = batch["src_truncated"]  # cut by the collator: too long for one pass
@@ -299,8 +307,10 @@ class Seq2SeqModule(L.LightningModule):
         short = [i for i, is_long in enumerate(long) if not is_long]
         if short:
             src = batch["src"][short]
-            src = src[:, : int((src != self.config.pad_id).sum(dim=1).max())]  # (b, S) without shared padding
-            for i, text in zip(short, self.tokenizer.decode_batch(self._generate(src).tolist()), strict=True):
+            width = int((src != self.config.pad_id).sum(dim=1).max())
+            if len(short) < len(long) or width < src.shape[1]:
+                src, memory = src[:, :width], None  # (b, S) without shared padding: encoded anew
+            for i, text in zip(short, self.tokenizer.decode_batch(self._generate(src, memory).tolist()), strict=True):
                 out[i] = text
         for i in (i for i, is_long in enumerate(long) if is_long):
             out[i] = summarize(
@@ -328,7 +338,7 @@ class Seq2SeqModule(L.LightningModule):
             return decision
         return self.trainer.strategy.reduce_boolean_decision(decision, all=False)
 
-    def _generate(self, src: Tensor) -> Tensor:
+    def _generate(self, src: Tensor, memory: Tensor | None = None) -> Tensor:
         """Beam-search ``src (B, S)``; one call of the lockstep protocol.
 
         Before each call every rank states whether it has one to make (a rank with none makes a dummy call
@@ -336,7 +346,7 @@ class Seq2SeqModule(L.LightningModule):
         """
         self._any_rank(True)
         h = self.hparams
-        return generate(self.model, src, h.max_new_tokens, h.num_beams, h.length_penalty, self._all_done())
+        return generate(self.model, src, h.max_new_tokens, h.num_beams, h.length_penalty, self._all_done(), memory)
 
     def _wait_for_other_ranks(self) -> None:
         """Dummy ``generate`` calls, mirroring the other ranks' real ones, until no rank has one left."""

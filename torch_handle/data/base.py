@@ -8,10 +8,16 @@ from typing import Any, Literal
 
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from torch_handle.data.batching import Collator, Example, ExampleDataset, TokenBudgetBatchSampler
+from torch_handle.data.batching import (
+    Collator,
+    Example,
+    ExampleDataset,
+    LengthSortedSampler,
+    TokenBudgetBatchSampler,
+)
 from torch_handle.data.resume import ResumableDataLoader, batches_processed
 from torch_handle.data.tokenizer import Tokenizer
 from torch_handle.errors import DataError
@@ -166,18 +172,18 @@ class Seq2SeqDataModule(LightningDataModule, ABC):
 
     @override
     def predict_dataloader(self) -> DataLoader:
-        # A plain batch size: Lightning rewraps predict batch samplers to track indices anyway. On several
-        # processes each predicts a shard; the prediction writer puts the outputs back in input order.
+        # Batches of ``predict_batch_size`` inputs of similar length (longest first); on several processes each
+        # predicts a shard. Lightning records each batch's indices, and the prediction writer puts the outputs
+        # back in input order.
         dataset = self.dataset("predict")
         assert dataset is not None  # read_split raises when there is no predict input
         trainer = self.trainer
-        sharded = trainer is not None and trainer.world_size > 1
+        world_size, rank = (1, 0) if trainer is None else (trainer.world_size, trainer.global_rank)
+        lengths = [self.collator.length(e) for e in dataset.examples]
         return DataLoader(
             dataset,
             batch_size=self.predict_batch_size,
-            sampler=DistributedSampler(dataset, trainer.world_size, trainer.global_rank, shuffle=False)
-            if sharded
-            else None,
+            sampler=LengthSortedSampler(lengths, world_size, rank),
             collate_fn=self.collator,
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,

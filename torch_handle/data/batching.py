@@ -294,3 +294,35 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         if current:
             batches.append(current)
         return batches
+
+
+class LengthSortedSampler(Sampler[int]):
+    """Prediction order: the longest source first, sharded across ranks as ``DistributedSampler`` shards.
+
+    Batched in this order, neighbours have similar lengths: the encoder pads little and a batch's rows finish
+    decoding close together, so few steps run for one straggler; the longest come first, so a batch too big
+    for memory fails at once. The prediction writer restores input order. Every rank takes every
+    ``num_replicas``-th index, ``ceil(n / num_replicas)`` of them, the last repeating the first ones.
+    """
+
+    def __init__(self, lengths: Sequence[int], num_replicas: int = 1, rank: int = 0) -> None:
+        """Orders the indices once; iterating yields this rank's share.
+
+        Args:
+            lengths: Each example's length in tokens (:meth:`Collator.length`).
+            num_replicas: Number of ranks sharing the data.
+            rank: This rank, in ``[0, num_replicas)``.
+        """
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank {rank} is outside [0, {num_replicas})")
+        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # stable: ties keep input order
+        total = math.ceil(len(order) / num_replicas) * num_replicas
+        order = (order * math.ceil(total / max(len(order), 1)))[:total]
+        self.indices = order[rank::num_replicas]
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    @override
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)

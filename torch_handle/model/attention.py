@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -13,7 +14,7 @@ from torch_handle.model.positions import apply_rope
 class KVCache:
     """Keys and values of one attention layer, preallocated for ``capacity`` positions.
 
-    Beam search reorders it along the batch dimension with :meth:`reorder`.
+    Beam search reorders it along the batch dimension, and finished rows leave it, with :meth:`select`.
     """
 
     def __init__(self) -> None:
@@ -32,9 +33,22 @@ class KVCache:
         self.length = end
         return self.k[:, :, :end], self.v[:, :, :end]
 
-    def reorder(self, index: Tensor) -> None:
-        if self.k is not None and self.v is not None:
+    def select(self, index: Tensor) -> None:
+        """Row ``i`` becomes row ``index[i]`` of before: beam search's reorder, or finished rows dropping out.
+
+        Most beams continue their own prefix, so a reorder copies only the rows that change, and only their
+        filled positions, in place; a shrinking batch copies the rest into a smaller cache.
+        """
+        if self.k is None or self.v is None:
+            return
+        if index.shape[0] != self.k.shape[0]:
             self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
+            return
+        moved = (index != torch.arange(index.shape[0], device=index.device)).nonzero().squeeze(1)
+        if moved.numel():
+            source, end = index[moved], self.length
+            self.k[moved, :, :end] = self.k[source, :, :end]
+            self.v[moved, :, :end] = self.v[source, :, :end]
 
 
 class MultiHeadAttention(nn.Module):
@@ -96,7 +110,7 @@ class MultiHeadAttention(nn.Module):
             else:
                 k, v = (self._heads(t) for t in F.linear(memory, w[c:], b[c:]).chunk(2, dim=-1))
                 if cache is not None:
-                    cache.k, cache.v = k, v
+                    cache.k, cache.v, cache.length = k, v, k.shape[-2]
         dropout_p = self.dropout if self.training else 0.0
         out = attend(q, k, v, spec, self.backend, dropout_p)  # (B, H, T, D)
         return self.out_proj(out.transpose(1, 2).reshape(x.shape))

@@ -25,10 +25,23 @@ class DecoderCache:
         self.capacity = capacity
         self.length = 0
 
-    def reorder(self, index: Tensor) -> None:
-        """Follow beam search: row ``i`` of the batch becomes row ``index[i]`` of before."""
-        for self_cache, _ in self.layers:  # cross-attention keys are equal across a source's beams
-            self_cache.reorder(index)
+    def select(self, index: Tensor) -> None:
+        """Row ``i`` becomes row ``index[i]`` of before: beam search's reorder, or finished rows dropping out.
+
+        Cross-attention keys depend only on the source, equal across its beams: they follow only when the
+        number of rows changes, that is when rows drop out.
+        """
+        resized = index.shape[0] != self.rows
+        for self_cache, cross_cache in self.layers:
+            self_cache.select(index)
+            if resized:
+                cross_cache.select(index)
+
+    @property
+    def rows(self) -> int | None:
+        """The batch size the cache holds, ``None`` before the first step."""
+        k = self.layers[0][1].k if self.layers else None
+        return None if k is None else k.shape[0]
 
 
 class Transformer(nn.Module):
