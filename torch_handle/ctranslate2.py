@@ -7,7 +7,8 @@ written by CTranslate2's own ``TransformerSpec`` (which validates every weight),
 (pass ``return_end_token=True`` to beam search: we count ``<eos>`` in the length that ``length_penalty``
 divides by, CTranslate2 does so only then). ``<pad>`` and ``<bos>`` are never predicted, as in our decoding: the
 output projection's bias rules them out. The source gets its ``<eos>`` from the config (``add_source_eos``), as
-our collator appends it, so users pass the tokenizer's tokens as they are.
+our collator appends it, so users pass the tokenizer's tokens as they are (an empty source is the exception:
+CTranslate2 returns an empty output without decoding, where we decode from ``<eos>`` alone).
 
 Configurations CTranslate2's spec cannot express are refused with one line naming the field (:class:`ExportError`).
 ``ctranslate2`` is an optional dependency (``pip install 'torch-handle[bench]'``).
@@ -26,7 +27,7 @@ from lightning_utilities.core.imports import RequirementCache
 from torch import Tensor, nn
 
 from torch_handle.atomic import atomic_folder
-from torch_handle.data.tokenizer import SPECIAL_TOKENS, UNK_ID
+from torch_handle.data.tokenizer import UNK_ID
 from torch_handle.export import exported_metadata, exported_weights, is_exported, read_model
 from torch_handle.model import Transformer, TransformerConfig
 from torch_handle.model.attention import MultiHeadAttention
@@ -168,6 +169,12 @@ def transformer_spec(model: Transformer) -> TransformerSpec:
     return spec
 
 
+def _check_free(out_dir: Path) -> None:
+    """Refuses a folder that holds files: a rename never replaces it, and nothing a user has is overwritten."""
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ExportError(f"{out_dir} already exists and is not an empty folder: remove it or pass a new folder")
+
+
 def write_model(model: Transformer, tokens: Sequence[str], out_dir: str | Path, tokenizer: str | None = None) -> Path:
     """Writes ``model`` as a CTranslate2 model folder ``out_dir``, whole or not at all.
 
@@ -181,23 +188,21 @@ def write_model(model: Transformer, tokens: Sequence[str], out_dir: str | Path, 
         ExportError: The model or the vocabulary cannot be exported, or ``out_dir`` holds files.
     """
     c, out_dir = model.config, Path(out_dir)
+    _check_free(out_dir)
     spec = transformer_spec(model)
     if len(tokens) < max(c.src_vocab_size, c.tgt_vocab_size):
         raise ExportError(
             f"{len(tokens)} tokens for a model with src_vocab_size={c.src_vocab_size} and "
             f"tgt_vocab_size={c.tgt_vocab_size}: pass the tokenizer the model was trained with"
         )
-    unk = SPECIAL_TOKENS[UNK_ID]
     spec.register_source_vocabulary(list(tokens[: c.src_vocab_size]))
     spec.register_target_vocabulary(list(tokens[: c.tgt_vocab_size]))
     spec.config.bos_token = spec.config.decoder_start_token = tokens[c.bos_id]
     spec.config.eos_token = tokens[c.eos_id]
-    spec.config.unk_token = unk if unk in tokens else tokens[0]
+    spec.config.unk_token = tokens[UNK_ID]
     spec.config.add_source_bos, spec.config.add_source_eos = False, True  # as our collator: tokens, then <eos>
     spec.validate()
     spec.optimize()  # aliases the tied and shared matrices: stored once
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise ExportError(f"{out_dir} already exists and is not an empty folder: remove it or pass a new folder")
     with atomic_folder(out_dir) as tmp:
         spec.save(str(tmp))
         if tokenizer is not None:
@@ -224,6 +229,7 @@ def export_ctranslate2(checkpoint: str | Path, out_dir: str | Path) -> Path:
         checkpoint: A ``.ckpt`` file, a DeepSpeed or FSDP checkpoint folder, or a ``.safetensors`` export.
         out_dir: The folder to create; it must not exist, or be empty.
     """
+    _check_free(Path(out_dir))  # before reading a checkpoint that may be large
     if is_exported(checkpoint):
         config, tok = exported_metadata(checkpoint)
         weights, tokenizer = exported_weights(checkpoint), tok.to_str()
