@@ -106,7 +106,8 @@ def test_top_level_commands(capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().out == f"torch-handle {__version__}\n"
     with pytest.raises(SystemExit):
         main(["export", "--help"])
-    assert " export [-h] checkpoint output" in capsys.readouterr().out
+    usage = " ".join(capsys.readouterr().out.split())
+    assert " export [-h] [--format {safetensors,ctranslate2}] checkpoint output" in usage
     with pytest.raises(SystemExit):
         main(["--help"])
     text = " ".join(capsys.readouterr().out.split())

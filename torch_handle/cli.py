@@ -266,8 +266,8 @@ def with_config_paths(args: list[str]) -> list[str]:
 COMMANDS = {"prepare": "torch_handle.data.prepare", "export": "torch_handle.export"}  # plain argparse tools
 DESCRIPTION = (
     "Train, evaluate and use a handwritten Transformer. Subcommands: fit, validate, test, predict (below), and "
-    "prepare (download a corpus: torch-handle prepare --help), export (a checkpoint to one safetensors file: "
-    "torch-handle export --help). --config takes a path or a shipped config's name: "
+    "prepare (download a corpus: torch-handle prepare --help), export (a checkpoint to one safetensors file or a "
+    "CTranslate2 model folder: torch-handle export --help). --config takes a path or a shipped config's name: "
 )
 
 

@@ -8,6 +8,7 @@ trained, on one CPU, with no Lightning, DeepSpeed or process group. Exports writ
 settings were stored still load, with :class:`Decoding`'s defaults.
 The attention backend is not part of an export (it is written as ``auto``): the loading machine picks its own,
 so a model trained with xformers on a GPU loads on a CPU. A damaged or foreign file is refused in one line.
+``--format ctranslate2`` writes a CTranslate2 model folder instead (:mod:`torch_handle.ctranslate2`).
 """
 
 from __future__ import annotations
@@ -356,12 +357,22 @@ def configure_from_exported(config: Any, path: str | Path) -> None:
 def main(args: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="a .ckpt file, a DeepSpeed checkpoint folder or an FSDP sharded folder")
-    parser.add_argument("output", help="the safetensors file to write")
+    parser.add_argument("output", help="the safetensors file to write, or the CTranslate2 model folder to create")
+    parser.add_argument(
+        "--format",
+        choices=("safetensors", "ctranslate2"),
+        default="safetensors",
+        help="safetensors: one file for torch_handle.load; ctranslate2: a model folder for ctranslate2.Translator "
+        "(needs pip install 'torch-handle[bench]'; the checkpoint may also be a .safetensors export)",
+    )
     options = parser.parse_args(args)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from torch_handle.ctranslate2 import ExportError, export_ctranslate2  # it imports this module: not at the top
+
+    write = export_ctranslate2 if options.format == "ctranslate2" else export
     try:
-        export(options.checkpoint, options.output)
-    except CheckpointError as err:
+        write(options.checkpoint, options.output)
+    except (CheckpointError, ExportError) as err:
         raise SystemExit(f"error: {err}") from err
 
 
