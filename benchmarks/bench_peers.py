@@ -14,8 +14,10 @@ own with the same number of intra-op threads, the implementations alternating wh
   length is forced by each implementation's own "minimum length" mechanism, which rules EOS out until the
   length is reached: HF ``min_new_tokens``, CTranslate2 ``min_decoding_length``; ours has none, so its EOS logit
   is set to -inf after every ``decode`` (``_NoEos``, one in-place write per step, as HF's processor). Pad and
-  BOS are never a next token in any of them (ours rules them out itself; HF ``suppress_tokens``, CTranslate2
-  ``suppress_sequences``). Every child asserts that each sentence has exactly the forced number of tokens.
+  BOS are never a next token in any of them (ours rules them out itself, HF by ``suppress_tokens``, the
+  CTranslate2 export by a -inf output bias). Every child asserts that each sentence has exactly the forced number
+  of tokens. Each source is 23 random tokens and EOS, as our collator builds it; CTranslate2 gets the 23 and
+  appends EOS itself (the export's ``add_source_eos``).
 - CTranslate2 fp32 and int8 decode our model's very weights, converted by ``torch_handle.ctranslate2``.
 
 Usage::
@@ -30,10 +32,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import random
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -169,7 +173,6 @@ def _train_child(impl: str, s: Sizes, steps: int, warmup: int) -> dict[str, Any]
     import torch
     import torch.nn.functional as F
 
-    baseline = common.rss_bytes()
     model = _our_model(s) if impl == "ours" else _hf_model(impl, s)
     generator = torch.Generator().manual_seed(1)
     batches = [_batch(torch, generator, s) for _ in range(4)]
@@ -178,7 +181,7 @@ def _train_child(impl: str, s: Sizes, steps: int, warmup: int) -> dict[str, Any]
         src, tgt, labels = batch
         if impl == "ours":
             logits = model(src, tgt)
-        else:
+        else:  # no decoder mask: right padding is invisible to earlier positions, and the loss skips it
             logits = model(input_ids=src, attention_mask=src != PAD, decoder_input_ids=tgt).logits
         return F.cross_entropy(
             logits.flatten(0, 1).float(), labels.flatten(), ignore_index=PAD, label_smoothing=LABEL_SMOOTHING
@@ -195,9 +198,7 @@ def _train_child(impl: str, s: Sizes, steps: int, warmup: int) -> dict[str, Any]
         if step >= warmup:
             wall.append(time.perf_counter() - start)
             cpu.append(time.process_time() - cpu_start)
-    return {"wall": wall, "cpu": cpu, "peak_rss": common.peak_rss_bytes(), "baseline_rss": baseline} | {
-        "parameters": _parameters(model)
-    }
+    return {"wall": wall, "cpu": cpu, "peak_rss": common.peak_rss_bytes(), "parameters": _parameters(model)}
 
 
 def _batch(torch: Any, generator: Any, s: Sizes) -> tuple[Any, Any, Any]:  # noqa: ANN401
@@ -215,65 +216,53 @@ def _batch(torch: Any, generator: Any, s: Sizes) -> tuple[Any, Any, Any]:  # noq
     return src, tgt, labels
 
 
-def _decode_child(impl: str, s: Sizes, repeats: int, warmup: int, threads: int) -> dict[str, Any]:
-    """Times greedy and beam decoding of the same sources; asserts every sentence has ``new_tokens`` tokens."""
+def _sources(s: Sizes) -> list[list[int]]:
+    """The decoding inputs, the same in every child: ``source_len - 1`` random tokens and EOS, as our collator."""
+    rng = random.Random(2)
+    return [[rng.randrange(len(SPECIALS), s.vocab) for _ in range(s.source_len - 1)] + [EOS] for _ in range(s.sources)]
+
+
+def _tokens(s: Sizes) -> list[str]:
+    """The vocabulary strings in id order that the CTranslate2 model folder holds."""
+    return SPECIALS + [f"w{i}" for i in range(len(SPECIALS), s.vocab)]
+
+
+def _export_child(s: Sizes, folder: Path) -> dict[str, Any]:
+    """Writes our model as a CTranslate2 folder ``folder/model`` and our greedy sentences to compare with."""
     import torch
 
+    from torch_handle.ctranslate2 import write_model
     from torch_handle.model import generate
 
-    baseline = common.rss_bytes()
-    src = torch.randint(4, s.vocab, (s.sources, s.source_len), generator=torch.Generator().manual_seed(2))
+    model = _our_model(s).eval()
+    write_model(model, _tokens(s), folder / "model")
+    reference = generate(model, torch.tensor(_sources(s)), s.new_tokens).tolist()
+    (folder / "reference.json").write_text(json.dumps(reference))
+    return {}
+
+
+def _decode_child(impl: str, s: Sizes, repeats: int, threads: int, folder: Path | None) -> dict[str, Any]:
+    """Times greedy and beam decoding of the same sources; asserts every sentence has ``new_tokens`` tokens.
+
+    The CTranslate2 children import no torch: their peak RSS is what a CTranslate2 deployment holds.
+    """
     agreement = None
-    if impl == "ours":
-        model = _our_model(s).eval()
-
-        def decode(beams: int) -> list[list[int]]:
-            out = generate(model, src, s.new_tokens, num_beams=beams)  # (B, L), PAD after EOS
-            return [[t for t in row if t != PAD] for row in out.tolist()]
-
-    elif impl in ("bart", "marian"):
-        from transformers import GenerationConfig
-
-        model = _hf_model(impl, s).eval()
-
-        def decode(beams: int) -> list[list[int]]:
-            generation = GenerationConfig(
-                max_new_tokens=s.new_tokens,
-                min_new_tokens=s.new_tokens,
-                do_sample=False,
-                num_beams=beams,
-                **({"early_stopping": True, "length_penalty": 1.0} if beams > 1 else {}),
-                decoder_start_token_id=BOS,
-                bos_token_id=BOS,
-                eos_token_id=EOS,
-                pad_token_id=PAD,
-                suppress_tokens=[PAD, BOS],  # as ours: neither is ever a next token
-            )
-            with torch.no_grad():
-                out = model.generate(input_ids=src, attention_mask=torch.ones_like(src), generation_config=generation)
-            assert (out[:, 0] == BOS).all(), out[:, 0]
-            return [row[1 : 1 + row[1:].index(EOS)] if EOS in row[1:] else row[1:] for row in out.tolist()]
-
-    else:
+    if impl in ("ct2-fp32", "ct2-int8"):
         import ctranslate2
 
-        from torch_handle.ctranslate2 import write_model
-
-        ours = _our_model(s).eval()
-        reference = generate(ours, src, s.new_tokens).tolist()  # greedy: CTranslate2 fp32 should reproduce it
-        tokens = SPECIALS + [f"w{i}" for i in range(len(SPECIALS), s.vocab)]
-        index = {token: i for i, token in enumerate(tokens)}
-        folder = tempfile.TemporaryDirectory()
-        exported = write_model(ours, tokens, Path(folder.name) / "model")
-        del ours
+        assert folder is not None, "CTranslate2 decodes the folder that --task export wrote"
+        model_dir = folder / "model"
         translator = ctranslate2.Translator(
-            str(exported),
+            str(model_dir),
             device="cpu",
-            compute_type=impl.removeprefix("ct2-").replace("fp32", "float32"),
+            compute_type={"ct2-fp32": "float32", "ct2-int8": "int8"}[impl],
             intra_threads=threads,
             inter_threads=1,
         )
-        batch = [[tokens[i] for i in row] for row in src.tolist()]
+        tokens = _tokens(s)
+        index = {token: i for i, token in enumerate(tokens)}
+        appends_eos = json.loads((model_dir / "config.json").read_text())["add_source_eos"]
+        batch = [[tokens[i] for i in row[: -1 if appends_eos else None]] for row in _sources(s)]
 
         def decode(beams: int) -> list[list[int]]:
             results = translator.translate_batch(
@@ -282,11 +271,16 @@ def _decode_child(impl: str, s: Sizes, repeats: int, warmup: int, threads: int) 
                 max_decoding_length=s.new_tokens,
                 min_decoding_length=s.new_tokens,
                 length_penalty=1.0,
-                suppress_sequences=[["<pad>"], ["<bos>"]],  # as ours: neither is ever a next token
             )
             return [[index[t] for t in result.hypotheses[0]] for result in results]
 
-        agreement = sum(row == ref for row, ref in zip(decode(1), reference))
+        reference = json.loads((folder / "reference.json").read_text())
+        agreement = sum(row == ref for row, ref in zip(decode(1), reference, strict=True))
+    else:
+        import torch
+
+        src = torch.tensor(_sources(s))
+        decode = _torch_decoder(impl, s, src)
 
     figures: dict[str, Any] = {"agreement": agreement}
     for name, beams in (("greedy", 1), ("beam", s.beams)):
@@ -294,19 +288,66 @@ def _decode_child(impl: str, s: Sizes, repeats: int, warmup: int, threads: int) 
         lengths = sorted({len(row) for row in sentences})
         assert len(sentences) == s.sources and lengths == [s.new_tokens], f"{impl} {name}: lengths {lengths}"
         assert all(EOS not in row for row in sentences), f"{impl} {name}: EOS before the forced length"
-        wall, cpu = common.median_wall_and_cpu(lambda beams=beams: decode(beams), repeats, warmup)
+        wall, cpu = common.median_wall_and_cpu(lambda beams=beams: decode(beams), repeats, warmup=1)
         figures[name] = {"wall": wall, "cpu": cpu, "length": lengths[0]}
-    return figures | {"peak_rss": common.peak_rss_bytes(), "baseline_rss": baseline}
+    return figures | {"peak_rss": common.peak_rss_bytes()}
+
+
+def _torch_decoder(impl: str, s: Sizes, src: Any) -> Callable[[int], list[list[int]]]:  # noqa: ANN401
+    """``decode(num_beams)`` -> the generated ids of each sentence, for ours or a Hugging Face model."""
+    import torch
+
+    if impl == "ours":
+        from torch_handle.model import generate
+
+        model = _our_model(s).eval()
+
+        def decode(beams: int) -> list[list[int]]:
+            out = generate(model, src, s.new_tokens, num_beams=beams)  # (B, L), PAD after EOS
+            return [[t for t in row if t != PAD] for row in out.tolist()]
+
+        return decode
+
+    from transformers import GenerationConfig
+
+    model = _hf_model(impl, s).eval()
+
+    def hf_decode(beams: int) -> list[list[int]]:
+        generation = GenerationConfig(
+            max_new_tokens=s.new_tokens,
+            min_new_tokens=s.new_tokens,
+            do_sample=False,
+            num_beams=beams,
+            **({"early_stopping": True, "length_penalty": 1.0} if beams > 1 else {}),
+            decoder_start_token_id=BOS,
+            bos_token_id=BOS,
+            eos_token_id=EOS,
+            pad_token_id=PAD,
+            suppress_tokens=[PAD, BOS],  # as ours: neither is ever a next token
+        )
+        with torch.no_grad():
+            out = model.generate(input_ids=src, attention_mask=torch.ones_like(src), generation_config=generation)
+        assert (out[:, 0] == BOS).all(), out[:, 0]  # the decoder start, then the generated tokens
+        return [row[1 : 1 + row[1:].index(EOS)] if EOS in row[1:] else row[1:] for row in out.tolist()]
+
+    return hf_decode
 
 
 def _child(impl: str, task: str, s: Sizes, args: argparse.Namespace) -> dict[str, Any]:
+    folder = Path(args.export_dir) if args.export_dir else None
+    if impl.startswith("ct2"):
+        result = _decode_child(impl, s, args.repeats, args.threads, folder)
+        return result | {"impl": impl, "task": task, "threads": args.threads, "torch": None}
     import torch
 
     torch.set_num_threads(args.threads)
     if task == "train":
         result = _train_child(impl, s, args.steps, args.warmup)
+    elif task == "export":
+        assert folder is not None, "--task export needs --export-dir"
+        result = _export_child(s, folder)
     else:
-        result = _decode_child(impl, s, args.repeats, 1, args.threads)
+        result = _decode_child(impl, s, args.repeats, args.threads, folder)
     return result | {"impl": impl, "task": task, "threads": torch.get_num_threads(), "torch": torch.__version__}
 
 
@@ -322,21 +363,26 @@ def _versions() -> str:
 
 def _run_all(args: argparse.Namespace) -> tuple[dict[str, dict[str, list[dict]]], str]:
     """Every (task, implementation) child ``args.rounds`` times, alternating the order; the machine line."""
+    script = str(Path(__file__).resolve())
+    common_args = ["--threads", str(args.threads), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    common_args += ["--repeats", str(args.repeats)] + (["--dry-run"] if args.dry_run else [])
     runs: dict[str, dict[str, list[dict]]] = {"train": {i: [] for i in TRAINABLE}, "decode": {i: [] for i in IMPLS}}
     machine = ""
-    for task, impls in (("train", TRAINABLE), ("decode", IMPLS)):
-        for round_index in range(args.rounds):
-            for impl in impls if round_index % 2 == 0 else impls[::-1]:
-                child_args = ["--child", impl, "--task", task, "--threads", str(args.threads)]
-                child_args += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--repeats", str(args.repeats)]
-                child_args += ["--dry-run"] if args.dry_run else []
-                run = common.run_child(str(Path(__file__).resolve()), child_args)
-                machine = machine or common.machine_line(run["threads"], run["torch"])
-                if task == "train":
-                    log.info("train %s: median step %.0f ms", impl, 1e3 * statistics.median(run["wall"]))
-                else:
-                    log.info("decode %s: greedy %.3f s, beam %.3f s", impl, run["greedy"]["wall"], run["beam"]["wall"])
-                runs[task][impl].append(run)
+    with tempfile.TemporaryDirectory() as folder:
+        common.run_child(script, ["--child", "ours", "--task", "export", "--export-dir", folder, *common_args])
+        for task, impls in (("train", TRAINABLE), ("decode", IMPLS)):
+            for round_index in range(args.rounds):
+                for impl in impls if round_index % 2 == 0 else impls[::-1]:
+                    child_args = ["--child", impl, "--task", task, "--export-dir", folder, *common_args]
+                    run = common.run_child(script, child_args)
+                    machine = machine or common.machine_line(run["threads"], run["torch"])
+                    if task == "train":
+                        log.info("train %s: median step %.0f ms", impl, 1e3 * statistics.median(run["wall"]))
+                    else:
+                        log.info(
+                            "decode %s: greedy %.3f s, beam %.3f s", impl, run["greedy"]["wall"], run["beam"]["wall"]
+                        )
+                    runs[task][impl].append(run)
     return runs, machine
 
 
@@ -418,7 +464,8 @@ def _configs(s: Sizes) -> str:
             "- HF Marian: `MarianConfig` with the same values and `share_encoder_decoder_embeddings=True`, "
             "`attn_implementation='sdpa'`; post-LN, no embedding LayerNorm, sinusoidal positions (static, sin and cos "
             "halves), an output bias.",
-            "- CT2 fp32 / int8: ours exported by `torch_handle.ctranslate2.write_model`, "
+            "- CT2 fp32 / int8: ours exported by `torch_handle.ctranslate2.write_model` (pre-norm `TransformerSpec`, "
+            "-inf output bias on pad and BOS, `add_source_eos`), "
             "`ctranslate2.Translator(device='cpu', compute_type='float32' | 'int8', intra_threads=THREADS, "
             "inter_threads=1)`, `translate_batch(beam_size=1 | 5, min_decoding_length=max_decoding_length="
             f"{s.new_tokens}, length_penalty=1.0)`.",
@@ -429,7 +476,8 @@ def _configs(s: Sizes) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--child", choices=IMPLS, help="run one child measurement and print JSON")
-    parser.add_argument("--task", choices=["train", "decode"], default="decode", help="with --child")
+    parser.add_argument("--task", choices=["train", "decode", "export"], default="decode", help="with --child")
+    parser.add_argument("--export-dir", help="with --child: the folder that --task export writes, CT2 reads")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads in every child")
     parser.add_argument("--steps", type=int, default=5, help="timed training steps per run")
     parser.add_argument("--warmup", type=int, default=2, help="untimed training steps first")
@@ -467,13 +515,15 @@ def main() -> None:
             f"cross entropy with label smoothing {LABEL_SMOOTHING} over non-padding targets from each model's logits "
             f"(our LightningModule's loss), median of {args.steps} timed steps after {args.warmup} untimed ones, "
             "pooled "
-            f"over {args.rounds} rounds. Decoding: {s.sources} sources of {s.source_len} tokens, exactly "
+            f"over {args.rounds} rounds. Decoding: {s.sources} sources of {s.source_len} tokens ({s.source_len - 1} "
+            f"random and EOS, CTranslate2 appending the EOS itself), exactly "
             f"{s.new_tokens} tokens generated per sentence (HF `min_new_tokens = max_new_tokens`, CTranslate2 "
             "`min_decoding_length = max_decoding_length`, ours with the EOS logit set to -inf after each decoder "
             "step; every child asserts the lengths), encoder included, median of "
             f"{args.repeats} calls after one untimed call, pooled over the rounds. CTranslate2 decodes our model's "
             'weights (the "identical" row compares its greedy sentences with ours). Peak RSS is the child\'s '
-            "high-water mark, Python runtime, torch and (for the HF and CT2 columns) their libraries included.",
+            "high-water mark with what it imported: torch for ours, torch and transformers for HF; the CTranslate2 "
+            "children import no torch (the export was written by a child of its own beforehand).",
             common.markdown_table(header, rows),
             "Ratios are ours / peer: for step time lower is better, for sentences/s higher is better. Goals from "
             "issue 12.",
