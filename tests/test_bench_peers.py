@@ -1,0 +1,51 @@
+"""``benchmarks/bench_peers.py --dry-run`` runs every implementation end to end at a tiny size, so the script
+that measures us against Hugging Face and CTranslate2 cannot rot between the runs that write its figures."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import ROOT, RUN_TIMEOUT, env
+
+MISSING = [name for name in ("transformers", "ctranslate2") if importlib.util.find_spec(name) is None]
+IMPLS = ["ours", "HF BART", "HF Marian", "CT2 fp32", "CT2 int8"]
+
+
+def _row(table: str, label: str) -> dict[str, str]:
+    """The cells of the table row that starts with ``label``, by column name."""
+    lines = [line for line in table.splitlines() if line.startswith("| ")]
+    header = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    rows = [line for line in lines if line.startswith(f"| {label}")]
+    assert len(rows) == 1, f"no single row {label!r} in:\n{table}"
+    return dict(zip(header, (cell.strip() for cell in rows[0].strip("|").split("|")), strict=True))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(bool(MISSING), reason=f"{' and '.join(MISSING)} not installed (pip install 'torch-handle[bench]')")
+def test_dry_run_measures_every_implementation_at_the_forced_length() -> None:
+    results = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+    command = [sys.executable, str(ROOT / "benchmarks" / "bench_peers.py"), "--dry-run", "--no-write"]
+    run = subprocess.run(command, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=2 * RUN_TIMEOUT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    table = run.stdout
+
+    for label, impls in (("training step, median wall", IMPLS[:3]), ("training peak RSS", IMPLS[:3])):
+        row = _row(table, label)
+        assert all(float(row[impl].replace(",", "")) > 0 for impl in impls), row
+        assert [row[impl] for impl in IMPLS[3:]] == ["-", "-"], row  # CTranslate2 does not train
+    for label in ("greedy decoding, sentences/s", "beam 5 decoding, sentences/s"):
+        row = _row(table, label)
+        assert all(float(row[impl]) > 0 for impl in IMPLS), row
+        assert float(row["ours / HF BART"]) > 0 and float(row["ours / CT2 fp32"]) > 0, row
+        assert row["goal"].startswith(">= 1.5x BART: "), row
+    assert _row(table, "training step, median wall")["goal"].startswith("<= 0.9x BART: ")
+    # The dry run forces 6 new tokens: every implementation generated exactly that many in every sentence.
+    lengths = _row(table, "tokens generated per sentence, greedy / beam")
+    assert [lengths[impl] for impl in IMPLS] == ["6 / 6"] * 5, lengths
+    # CTranslate2 fp32 decodes our exported weights: its greedy sentences are ours.
+    assert _row(table, "greedy sentences identical to ours")["CT2 fp32"] == "3/3", table
+    assert (ROOT / "benchmarks" / "RESULTS.md").read_text() == results  # --no-write writes nothing
