@@ -150,6 +150,7 @@ def test_a_repeated_evaluation_batch_runs_but_is_not_counted() -> None:
     module = _module(task="summarization")
     batch = {**_batch(), "src_text": ["one two three", "four five"], "tgt_text": ["one", "four"]}
     calls = []
+    module.trainer = Mock(world_size=1)
     module._loss = lambda b, m=None: calls.append(b) or Seq2SeqModule._loss(module, b, m)  # type: ignore[method-assign]
     metrics = module.eval_metrics["test"]
     module._evaluate({**batch, "repeat": True}, "test", decode=False)
@@ -193,6 +194,6 @@ def test_evaluation_encodes_each_batch_once_for_the_loss_and_the_decoding(monkey
     )
     tokenizer = Mock(decode_batch=lambda rows: ["x"] * len(rows))
     monkeypatch.setattr(Seq2SeqModule, "tokenizer", property(lambda _: tokenizer))
-    monkeypatch.setattr(module, "_wait_for_other_ranks", lambda: None)  # one process
+    module.trainer = Mock(world_size=1)
     module._evaluate(batch, "test", decode=True)
     assert len(encoded) == 1 and reused == encoded  # decoding took the loss's encoder output, and encoded nothing

@@ -192,7 +192,10 @@ class Seq2SeqModule(L.LightningModule):
         A batch that only evens out the batch count across ranks (``batch["repeat"]``) runs like any other,
         because sharded strategies need every rank to step together, but is not counted.
         """
-        memory = self.model.encode(batch["src"])  # once, for the loss and for decoding
+        # One encoder pass for the loss and the decoding. Not on several processes: there a rank's decoding calls
+        # mirror the other ranks' (dummy calls included, see ``decode_batch``), and under ZeRO-3 or FSDP each
+        # encoder pass gathers parameters, so every call must run the encoder alike.
+        memory = self.model.encode(batch["src"]) if self.trainer.world_size == 1 else None
         loss_sum, nll_sum, tokens = self._loss(batch, memory)
         predictions = self.decode_batch(batch, memory) if decode else None
         if decode:

@@ -1,0 +1,30 @@
+"""``benchmarks/bench_decoding.py`` runs end to end on a trained model, so the script behind the decoding figures
+cannot rot between the runs that write them."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT, RUN_TIMEOUT, env
+
+
+@pytest.mark.slow
+def test_this_checkout_against_itself_gives_the_same_outputs(tiny_demo_run: Path, tmp_path: Path) -> None:
+    results = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+    source = tmp_path / "in.txt"
+    source.write_text("the dog sees a cat\nmy king\ntwo old birds helped the dog\nthe cat\n", encoding="utf-8")
+    command = [sys.executable, str(ROOT / "benchmarks" / "bench_decoding.py"), "--checkpoint", str(tiny_demo_run)]
+    command += ["--source", str(source), "--before", str(ROOT), "--batch-size", "3", "--rounds", "1", "--no-write"]
+    run = subprocess.run(command, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = re.findall(
+        r"^\| (greedy|beam 5) \| (file|sorted) \| [\d.]+ \| [\d.]+ \| [\d.]+ \| (\w+) \|$", run.stdout, re.M
+    )
+    assert len(rows) == 4, run.stdout
+    assert all(same == "yes" for *_, same in rows), run.stdout  # one code, one model: one set of outputs
+    assert (ROOT / "benchmarks" / "RESULTS.md").read_text() == results
