@@ -185,7 +185,7 @@ def test_the_readme_snippet_translates_with_the_folder_alone(run: Path, folder: 
 
 @pytest.mark.slow
 def test_an_exported_safetensors_file_gives_the_same_folder(run: Path, folder: Path, tmp_path: Path) -> None:
-    from torch_handle.ctranslate2 import export_ctranslate2
+    from torch_handle.export import export_ctranslate2
 
     exported = export(run / "checkpoints" / "last.ckpt", tmp_path / "model.safetensors")
     again = export_ctranslate2(exported, tmp_path / "ct2")

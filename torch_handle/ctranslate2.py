@@ -1,4 +1,5 @@
-"""Our Transformer as a CTranslate2 model folder: ``torch-handle export --format ctranslate2 CKPT OUT_DIR``.
+"""Our Transformer as a CTranslate2 model folder: ``torch-handle export --format ctranslate2 CKPT OUT_DIR``
+(:func:`torch_handle.export.export_ctranslate2` reads the checkpoint and calls :func:`write_model`).
 
 CTranslate2 is the inference engine OpenNMT exports to (fast CPU decoding, int8 for free with
 ``Translator(folder, compute_type="int8")``). The folder holds ``model.bin``, the vocabulary and ``config.json``
@@ -28,7 +29,6 @@ from torch import Tensor, nn
 
 from torch_handle.atomic import atomic_folder
 from torch_handle.data.tokenizer import UNK_ID
-from torch_handle.export import exported_metadata, exported_weights, is_exported, read_model
 from torch_handle.model import Transformer, TransformerConfig
 from torch_handle.model.attention import MultiHeadAttention
 from torch_handle.model.layers import FeedForward
@@ -169,7 +169,7 @@ def transformer_spec(model: Transformer) -> TransformerSpec:
     return spec
 
 
-def _check_free(out_dir: Path) -> None:
+def check_free(out_dir: Path) -> None:
     """Refuses a folder that holds files: a rename never replaces it, and nothing a user has is overwritten."""
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ExportError(f"{out_dir} already exists and is not an empty folder: remove it or pass a new folder")
@@ -188,7 +188,7 @@ def write_model(model: Transformer, tokens: Sequence[str], out_dir: str | Path, 
         ExportError: The model or the vocabulary cannot be exported, or ``out_dir`` holds files.
     """
     c, out_dir = model.config, Path(out_dir)
-    _check_free(out_dir)
+    check_free(out_dir)
     spec = transformer_spec(model)
     if len(tokens) < max(c.src_vocab_size, c.tgt_vocab_size):
         raise ExportError(
@@ -220,24 +220,3 @@ def vocabulary(tokenizer: str) -> list[str]:
     if [ids[t] for t in tokens] != list(range(len(tokens))):
         raise ExportError("the tokenizer's ids are not 0..n-1 without gaps: export needs one token per id")
     return tokens
-
-
-def export_ctranslate2(checkpoint: str | Path, out_dir: str | Path) -> Path:
-    """Writes the model of ``checkpoint`` and its tokenizer as the CTranslate2 model folder ``out_dir``.
-
-    Args:
-        checkpoint: A ``.ckpt`` file, a DeepSpeed or FSDP checkpoint folder, or a ``.safetensors`` export.
-        out_dir: The folder to create; it must not exist, or be empty.
-    """
-    _check_free(Path(out_dir))  # before reading a checkpoint that may be large
-    if is_exported(checkpoint):
-        config, tok = exported_metadata(checkpoint)
-        weights, tokenizer = exported_weights(checkpoint), tok.to_str()
-    else:
-        weights, config, tokenizer, _ = read_model(checkpoint)
-    reason = unsupported(config)  # before building the model: a refusal costs nothing
-    if reason is not None:
-        raise ExportError(reason)
-    model = Transformer(config)
-    model.load_state_dict(weights, strict=True)
-    return write_model(model.eval(), vocabulary(tokenizer), out_dir, tokenizer=tokenizer)

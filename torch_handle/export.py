@@ -8,7 +8,7 @@ trained, on one CPU, with no Lightning, DeepSpeed or process group. Exports writ
 settings were stored still load, with :class:`Decoding`'s defaults.
 The attention backend is not part of an export (it is written as ``auto``): the loading machine picks its own,
 so a model trained with xformers on a GPU loads on a CPU. A damaged or foreign file is refused in one line.
-``--format ctranslate2`` writes a CTranslate2 model folder instead (:mod:`torch_handle.ctranslate2`).
+``--format ctranslate2`` writes a CTranslate2 model folder instead (:func:`export_ctranslate2`).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from torch_handle.checkpoints import (
     is_deepspeed_checkpoint,
     with_tied_weights,
 )
+from torch_handle.ctranslate2 import ExportError, check_free, unsupported, vocabulary, write_model
 from torch_handle.data.tokenizer import Tokenizer
 from torch_handle.model import ConfigError, Transformer, TransformerConfig
 
@@ -354,6 +355,27 @@ def configure_from_exported(config: Any, path: str | Path) -> None:
     config.data.init_args.tokenizer_path = tokenizer_file
 
 
+def export_ctranslate2(checkpoint: str | Path, out_dir: str | Path) -> Path:
+    """Writes the model of ``checkpoint`` and its tokenizer as the CTranslate2 model folder ``out_dir``.
+
+    Args:
+        checkpoint: A ``.ckpt`` file, a DeepSpeed or FSDP checkpoint folder, or a ``.safetensors`` export.
+        out_dir: The folder to create; it must not exist, or be empty.
+    """
+    check_free(Path(out_dir))  # before reading a checkpoint that may be large
+    if is_exported(checkpoint):
+        config, tok = exported_metadata(checkpoint)
+        weights, tokenizer = exported_weights(checkpoint), tok.to_str()
+    else:
+        weights, config, tokenizer, _ = read_model(checkpoint)
+    reason = unsupported(config)  # before building the model: a refusal costs nothing
+    if reason is not None:
+        raise ExportError(reason)
+    model = Transformer(config)
+    model.load_state_dict(weights, strict=True)
+    return write_model(model.eval(), vocabulary(tokenizer), out_dir, tokenizer=tokenizer)
+
+
 def main(args: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="a .ckpt file, a DeepSpeed checkpoint folder or an FSDP sharded folder")
@@ -367,8 +389,6 @@ def main(args: list[str] | None = None) -> None:
     )
     options = parser.parse_args(args)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from torch_handle.ctranslate2 import ExportError, export_ctranslate2  # it imports this module: not at the top
-
     write = export_ctranslate2 if options.format == "ctranslate2" else export
     try:
         write(options.checkpoint, options.output)
