@@ -231,7 +231,7 @@ def test_test_reports_bleu_on_sacrebleus_0_100_scale_with_its_signature(
         (tmp_path / f"{split}.de").write_text("".join(f"{r}\n" for r in references))
     data = TranslationDataModule(data_dir=str(tmp_path), bpe_vocab_size=300)
     module = Seq2SeqModule(TransformerConfig(d_model=32, num_heads=2, d_ff=64), vocab_size=data.vocab_size)
-    module.decode_batch = lambda batch: batch["src_text"]  # the English "translations" score a known BLEU
+    module.decode_batch = lambda batch, memory=None: batch["src_text"]  # the English "translations" score a known BLEU
     trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, use_distributed_sampler=False)
     with caplog.at_level(logging.INFO):
         (metrics,) = trainer.test(module, datamodule=data, verbose=False)
