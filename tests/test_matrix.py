@@ -1,8 +1,8 @@
 """The shipped configs, stacked with each strategy, end to end on two CPU processes with real data.
 
-Each data config (``demo``, ``multi30k``, ``summarization``, ``summarization_32k``) is stacked with a strategy
-config and run through ``fit`` -> ``test`` -> ``predict`` -> export -> ``predict`` from the export, with only size
-fields overridden. The data are small subsets of ``../shared/data`` cut to make the shards uneven: fewer
+Each data config (``demo``, ``multi30k``, ``summarization``, ``summarization_32k``, ``summarization_cp``) is stacked
+with a strategy config and run through ``fit`` -> ``test`` -> ``predict`` -> export -> ``predict`` from the export,
+with only size fields overridden. The data are small subsets of ``../shared/data`` cut to make the shards uneven: fewer
 validation batches than ranks, an odd number of test batches, short documents mixed with documents longer
 than ``max_source_tokens`` (summarized in windows), a prediction line longer than ``max_len``. ``test`` on two
 processes must report the metrics of one process on the same checkpoint, and the exported model must predict
@@ -50,6 +50,8 @@ COMBOS = [
     ("summarization_32k", "zero3"),
     ("multi30k", "fsdp"),
     ("summarization", "zero2"),
+    ("summarization_cp", "ddp"),  # context parallelism: both processes encode halves of each source
+    ("summarization_cp", "zero3"),
 ]
 STEPS = ["fit", "test", "predict", "export"]
 
@@ -135,7 +137,7 @@ def _data(name: str, folder: Path) -> Data:
         return _multi30k(folder)
     if name == "summarization":
         return _summarization(folder, SHARED / "squality" / "dev_plot.jsonl", 128, 16)
-    return _summarization(folder, SHARED / "qmsum" / "val.jsonl", 256, 32)  # QMSum meetings, ALiBi
+    return _summarization(folder, SHARED / "qmsum" / "val.jsonl", 256, 32)  # QMSum meetings, ALiBi (32k and cp)
 
 
 @dataclass
@@ -152,6 +154,8 @@ class Run:
         """``cli.py SUBCOMMAND`` arguments: the stacked configs, the size overrides, then ``extra``."""
         config = self.config if strategy else self.config[:2]
         chosen = [] if devices is None else ["--trainer.devices", str(devices)]
+        if devices == 1:  # one process splits nothing (the context-parallel config asks for 2)
+            chosen += ["--model.context_parallel", "1"]
         root = ["--trainer.default_root_dir", str(self.root)]
         return [subcommand, *config, *TRAINER, *chosen, *MODEL, *self.data.args, *root, *extra]
 

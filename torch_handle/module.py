@@ -20,6 +20,7 @@ from typing_extensions import override
 from torch_handle.hierarchical import summarize
 from torch_handle.metrics import ROUGE_KEYS, Rouge, bleu_signature
 from torch_handle.model import ConfigError, Transformer, TransformerConfig, generate
+from torch_handle.parallel import CONTEXT_PARALLEL, apply_context_parallel, build_mesh
 
 Task = Literal["translation", "summarization"]
 BLEU_TOKENIZE = "13a"  # sacreBLEU's default tokenizer, the one WMT results are reported with
@@ -58,6 +59,11 @@ class Seq2SeqModule(L.LightningModule):
             ``lead_words`` words, as ``test/lead_rouge*``: every ROUGE figure gets a reference beside it.
         chunk_overlap: Summarization documents longer than ``--data.max_source_tokens`` are summarized
             hierarchically (see :func:`torch_handle.summarize`) in windows that share this many tokens.
+        context_parallel: Processes that share each batch and split its sources (1 = off): each encodes
+            ``S / context_parallel`` consecutive positions of every source, exchanging ``window`` keys and values with
+            its neighbours in each layer, and the decoder runs replicated on them; activation memory per process falls
+            as ``1 / context_parallel``. Needs ``transformer.encoder_attention: local`` and must divide the number of
+            processes; the rest are data-parallel replicas. Chosen for each run: checkpoints do not keep it.
     """
 
     def __init__(
@@ -77,6 +83,7 @@ class Seq2SeqModule(L.LightningModule):
         generate_every_n_val_epochs: int = 1,
         lead_words: int = 100,
         chunk_overlap: int = 256,
+        context_parallel: int = 1,
     ) -> None:
         super().__init__()
         for name, value, valid, rule in (
@@ -91,11 +98,19 @@ class Seq2SeqModule(L.LightningModule):
             ("generate_every_n_val_epochs", generate_every_n_val_epochs, generate_every_n_val_epochs >= 0, ">= 0"),
             ("lead_words", lead_words, lead_words >= 1, ">= 1"),
             ("chunk_overlap", chunk_overlap, chunk_overlap >= 0, ">= 0"),
+            ("context_parallel", context_parallel, context_parallel >= 1, ">= 1"),
         ):
             if not valid:
                 raise ConfigError(f"--model.{name} must be {rule}, got {value}")
-        self.save_hyperparameters()
+        # How many processes split a source is the run's layout, never the checkpoint's: not a hyper-parameter.
+        self.save_hyperparameters(ignore=["context_parallel"])
+        self.context_parallel = context_parallel
         config = dataclasses.replace(transformer, src_vocab_size=vocab_size, tgt_vocab_size=vocab_size)
+        if context_parallel > 1 and config.encoder_attention != "local":
+            raise ConfigError(
+                f"--model.context_parallel={context_parallel} splits the sliding-window encoder: set "
+                "--model.transformer.encoder_attention local, or context_parallel 1 for full attention"
+            )
         if config.position in ("sinusoidal", "learned") and max_new_tokens + 1 > config.max_len:
             raise ConfigError(
                 f"max_new_tokens={max_new_tokens} does not fit max_len={config.max_len} of position="
@@ -147,15 +162,29 @@ class Seq2SeqModule(L.LightningModule):
         eps = self.hparams.label_smoothing
         return (1 - eps) * nll + eps * smooth, nll, keep.sum()
 
+    @override
+    def configure_model(self) -> None:
+        """Lays out the ``(data_parallel, context_parallel)`` mesh and makes the encoder context-parallel over it;
+        nothing to do without context parallelism. Lightning calls this once the processes are connected."""
+        cp = self.context_parallel
+        if cp == 1 or self._device_mesh is not None:
+            return
+        trainer = self.trainer
+        self._device_mesh = build_mesh(trainer.world_size, cp, trainer.strategy.root_device.type)
+        apply_context_parallel(self.model, self._device_mesh[CONTEXT_PARALLEL].get_group())
+
     def _step_scale(self) -> int:
         """What the backward pass divides a micro-batch's loss by, undone so that the step's mean is per token.
 
         Lightning divides by ``accumulate_grad_batches``, a strategy that accumulates itself (DeepSpeed)
-        divides by it once more, and DDP, DeepSpeed and FSDP average gradients over ranks.
+        divides by it once more, and DDP, DeepSpeed and FSDP average gradients over ranks. Under context
+        parallelism a batch's ranks all compute its loss, and their gradients add up to ``context_parallel``
+        times its gradient (see :mod:`torch_handle.parallel.context`): only data-parallel replicas count here.
         """
         trainer = self.trainer
         accumulate = trainer.accumulate_grad_batches
-        return accumulate * trainer.world_size * (accumulate if trainer.strategy.handles_gradient_accumulation else 1)
+        replicas = trainer.world_size // self.context_parallel
+        return accumulate * replicas * (accumulate if trainer.strategy.handles_gradient_accumulation else 1)
 
     @override
     def on_train_start(self) -> None:

@@ -23,6 +23,7 @@ from torch_handle.data.tokenizer import Tokenizer
 from torch_handle.errors import DataError
 
 Split = Literal["train", "val", "test", "predict"]
+DATA_PARALLEL = "data_parallel"  # the device mesh dimension whose index chooses the shard
 _STAGE_SPLITS: dict[str, tuple[Split, ...]] = {
     "fit": ("train", "val"),
     "validate": ("val",),
@@ -177,13 +178,12 @@ class Seq2SeqDataModule(LightningDataModule, ABC):
         # back in input order.
         dataset = self.dataset("predict")
         assert dataset is not None  # read_split raises when there is no predict input
-        trainer = self.trainer
-        world_size, rank = (1, 0) if trainer is None else (trainer.world_size, trainer.global_rank)
+        replicas, replica = self._shard()
         lengths = [self.collator.length(e) for e in dataset.examples]
         return DataLoader(
             dataset,
             batch_size=self.predict_batch_size,
-            sampler=LengthSortedSampler(lengths, world_size, rank),
+            sampler=LengthSortedSampler(lengths, replicas, replica),
             collate_fn=self.collator,
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
@@ -215,15 +215,15 @@ class Seq2SeqDataModule(LightningDataModule, ABC):
         if dataset is None:
             return []
         trainer = self.trainer
-        world_size, rank = (1, 0) if trainer is None else (trainer.world_size, trainer.global_rank)
+        replicas, replica = self._shard()
         train = split == "train"
         sampler = TokenBudgetBatchSampler(
             [self.collator.length(e) for e in dataset.examples],
             self.max_tokens,
             shuffle=shuffle,
             seed=self.seed,
-            num_replicas=world_size,
-            rank=rank,
+            num_replicas=replicas,
+            rank=replica,
             # Training batches carry their optimizer step's target tokens, the loss's normaliser.
             scored=[self.collator.scored_tokens(e) for e in dataset.examples] if train else None,
             accumulate=trainer.accumulate_grad_batches if train and trainer is not None else 1,
@@ -238,6 +238,22 @@ class Seq2SeqDataModule(LightningDataModule, ABC):
         if train and trainer is not None:  # checkpoints record its exact position mid-epoch
             return ResumableDataLoader(dataset, processed=lambda: batches_processed(trainer), **options)
         return DataLoader(dataset, **options)
+
+    def _shard(self) -> tuple[int, int]:
+        """``(replicas, replica)``: how many shards the data is split into, and which one this process reads.
+
+        Processes that share each batch (context parallelism) sit on one index of the ``data_parallel`` dimension of
+        the LightningModule's ``device_mesh`` (the name Lightning's ``ModelParallelStrategy`` gives it) and read the
+        same shard; without such a mesh every process reads its own.
+        """
+        trainer = self.trainer
+        if trainer is None:
+            return 1, 0
+        mesh = trainer.lightning_module.device_mesh if trainer.lightning_module is not None else None
+        if mesh is None or DATA_PARALLEL not in (mesh.mesh_dim_names or ()):
+            return trainer.world_size, trainer.global_rank
+        data = mesh[DATA_PARALLEL]
+        return data.size(), data.get_local_rank()
 
     def _text(self, split: Split) -> TextSplit | None:
         if split not in self._texts:

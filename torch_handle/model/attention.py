@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -71,6 +73,10 @@ class MultiHeadAttention(nn.Module):
         self.backend = backend
         self.in_proj = nn.Linear(d_model, 3 * d_model)
         self.out_proj = nn.Linear(d_model, d_model)
+        self.kv_hook: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]] | None = None
+        """Self-attention without a cache: maps this input's keys and values ``(B, H, T, D)`` to the keys and
+        values attended to. Context parallelism (:mod:`torch_handle.parallel.context`) sets it to add the
+        neighbouring ranks' halos; the model itself never does."""
 
     def _heads(self, x: Tensor) -> Tensor:  # (B, T, C) -> (B, H, T, D)
         b, t, c = x.shape
@@ -101,6 +107,8 @@ class MultiHeadAttention(nn.Module):
             q, k, v = (self._heads(t) for t in F.linear(x, w, b).chunk(3, dim=-1))
             if rope is not None:
                 q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            if self.kv_hook is not None and cache is None:
+                k, v = self.kv_hook(k, v)
             if cache is not None:
                 k, v = cache.append(k, v, capacity)
         else:

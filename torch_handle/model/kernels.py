@@ -57,17 +57,25 @@ def _dense(kernel: Kernel, q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, drop
 
 
 def _blocked_local(kernel: Kernel, q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, dropout_p: float) -> Tensor:
-    """Sliding-window self-attention in ``O(S * window)`` memory (no cache, ``Tq == Tk``)."""
-    assert spec.window is not None and spec.q_offset == 0
+    """Sliding-window self-attention in ``O(Tq * window)`` memory, never building a ``Tq x Tk`` tensor.
+
+    Keys may reach past the queries on both sides: query ``i`` sits at key ``i + spec.q_offset`` (``Tq == Tk`` and
+    offset 0 for a whole sequence; context parallelism adds a halo of neighbouring keys on each side).
+    """
+    assert spec.window is not None and not spec.causal
     b, h, s, d = q.shape
-    w = max(min(spec.window, s - 1), 1)  # a window past the sequence changes nothing
+    tk, offset = k.shape[-2], spec.q_offset
+    # A window past the farthest query-key distance changes nothing: blocks of that size are enough.
+    w = max(min(spec.window, max(offset + s, tk - offset) - 1), 1)
     num_blocks = math.ceil(s / w)
-    span = 3 * w  # keys seen by one block of w queries
+    span = 3 * w  # keys seen by one block of w queries: block n sees keys n*w - w ... n*w + 2w - 1 (query coordinates)
     padded = num_blocks * w
     qb = F.pad(q, (0, 0, 0, padded - s)).view(b, h, num_blocks, w, d).transpose(1, 2)  # (B, N, H, w, D)
+    # Keys in query coordinates start at -offset; the blocks want them from -w to padded + w (negative pads crop).
+    before, after = w - offset, padded + w - (tk - offset)
 
-    def blocks(x: Tensor) -> Tensor:  # (B, H, S, D) -> (B, N, H, 3w, D)
-        x = F.pad(x, (0, 0, w, padded - s + w)).unfold(2, span, w)  # (B, H, N, D, 3w)
+    def blocks(x: Tensor) -> Tensor:  # (B, H, Tk, D) -> (B, N, H, 3w, D)
+        x = F.pad(x, (0, 0, before, after)).unfold(2, span, w)  # (B, H, N, D, 3w)
         return x.permute(0, 2, 1, 4, 3)
 
     kb, vb = blocks(k), blocks(v)
@@ -76,8 +84,8 @@ def _blocked_local(kernel: Kernel, q: Tensor, k: Tensor, v: Tensor, spec: MaskSp
     k_pos = torch.arange(span, device=q.device)
     near = allowed(spec, q_pos, k_pos)  # (w, 3w)
     is_self = q_pos[:, None] == k_pos[None, :]
-    pad = torch.ones(b, s, dtype=torch.bool, device=q.device) if spec.key_padding is None else ~spec.key_padding
-    valid = F.pad(pad, (w, padded - s + w), value=False).unfold(1, span, w)  # (B, N, 3w)
+    pad = torch.ones(b, tk, dtype=torch.bool, device=q.device) if spec.key_padding is None else ~spec.key_padding
+    valid = F.pad(pad, (before, after), value=False).unfold(1, span, w)  # (B, N, 3w)
     # A query always sees itself, so a window that holds only padding never yields an empty softmax.
     mask = near & (valid[:, :, None, None, :] | is_self)  # (B, N, 1, w, 3w)
     if spec.alibi is not None:
@@ -96,7 +104,7 @@ def _blocked_local(kernel: Kernel, q: Tensor, k: Tensor, v: Tensor, spec: MaskSp
 
 def _explicit(kernel: Kernel) -> Callable[[Tensor, Tensor, Tensor, MaskSpec, float], Tensor]:
     def run(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, dropout_p: float) -> Tensor:
-        if spec.window is not None and spec.q_offset == 0 and q.shape[-2] == k.shape[-2]:
+        if spec.window is not None and not spec.causal:
             return _blocked_local(kernel, q, k, v, spec, dropout_p)
         return _dense(kernel, q, k, v, spec, dropout_p)
 

@@ -133,14 +133,28 @@ class Transformer(nn.Module):
         pad = F.pad(pad, (0, -pad.shape[1] % r), value=True)
         return pad.view(pad.shape[0], -1, r).all(dim=-1)
 
-    def encode(self, src: Tensor) -> Tensor:
-        """Encode ``src (B, S)`` into ``memory (B, S', C)``; ``S' = ceil(S / cross_downsample)``."""
+    def encode(self, src: Tensor, offset: int = 0, halo_padding: Tensor | None = None) -> Tensor:
+        """Encode ``src (B, S)`` into ``memory (B, S', C)``; ``S' = ceil(S / cross_downsample)``.
+
+        Args:
+            src: Source tokens, right-padded with ``pad_id``.
+            offset: Position of ``src``'s first token when it is a slice of a longer source (context parallelism):
+                positions, RoPE angles and ALiBi distances are the longer source's.
+            halo_padding: For such a slice under local attention, ``(B, window + S + window)``: True where a key of
+                the slice or of the ``window`` positions on either side is padding (or lies outside the source).
+                Those halo keys and values come from each self-attention's ``kv_hook``; see
+                :mod:`torch_handle.parallel.context`.
+        """
         c = self.config
         pad = src == c.pad_id
         window = c.window if c.encoder_attention == "local" else None
-        spec = MaskSpec(key_padding=pad, window=window, alibi=self._slopes)
-        rope = self._rope(0, src.shape[1], src.device)
-        x = self._embed(src, self.src_embed, getattr(self, "src_pos", None), 0)
+        if halo_padding is None:
+            spec = MaskSpec(key_padding=pad, window=window, alibi=self._slopes)
+        else:
+            assert window is not None, "halos exist under local attention only"
+            spec = MaskSpec(key_padding=halo_padding, window=window, alibi=self._slopes, q_offset=window)
+        rope = self._rope(offset, src.shape[1], src.device)
+        x = self._embed(src, self.src_embed, getattr(self, "src_pos", None), offset)
         for layer in self.encoder_layers:
             x = self._run(layer, x, spec, rope)
         x = self.encoder_norm(x)

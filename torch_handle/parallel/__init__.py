@@ -1,0 +1,16 @@
+"""Parallelisation plans on a DeviceMesh: the one place where model code meets ``torch.distributed``.
+
+The model (``torch_handle.model``) stays free of distributed code, as torchtitan keeps ``parallelize.py`` apart from
+its models; a plan here changes how a built model runs, never its weights or their names.
+"""
+
+from torch_handle.parallel.context import ContextParallelTransformer, apply_context_parallel
+from torch_handle.parallel.mesh import CONTEXT_PARALLEL, DATA_PARALLEL, build_mesh
+
+__all__ = [
+    "CONTEXT_PARALLEL",
+    "DATA_PARALLEL",
+    "ContextParallelTransformer",
+    "apply_context_parallel",
+    "build_mesh",
+]
