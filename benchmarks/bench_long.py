@@ -115,10 +115,9 @@ def measure(length: int, steps: int, corpus: Path, threads: int | None) -> dict[
         threads: Intra-op threads; None keeps torch's default.
     """
     import torch
-    import torch.nn.functional as F
     import yaml
 
-    from torch_handle.data import BOS_ID, EOS_ID
+    from torch_handle.data import EOS_ID
     from torch_handle.model import Transformer, TransformerConfig
 
     if threads is not None:
@@ -127,10 +126,24 @@ def measure(length: int, steps: int, corpus: Path, threads: int | None) -> dict[
     settings = yaml.safe_load(CONFIG.read_text())["model"]["transformer"]
     vocab = data["vocab_size"]
     model = Transformer(TransformerConfig(**settings, src_vocab_size=vocab, tgt_vocab_size=vocab))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     src = torch.tensor(data["src"][: length - 1] + [EOS_ID])[None]  # (1, S)
-    tgt = torch.tensor([BOS_ID] + data["tgt"] + [EOS_ID])[None]  # (1, T + 2)
-    assert src.shape[1] == length, f"the corpus has only {src.shape[1]} tokens"
+    return {"length": length, **train_step_figures(model, src, data["tgt"], steps)}
+
+
+def train_step_figures(model: Any, src: Any, target: list[int], steps: int) -> dict[str, Any]:
+    """Time and memory of AdamW training steps on one source ``src (1, S)`` and ``target`` token ids.
+
+    One untimed step allocates the gradients and the optimizer state; then the median wall time and the CPU time
+    of ``steps`` steps, their peak resident memory above what the process held before them, the process's peak,
+    and the peak of live tensor bytes in one more step.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    from torch_handle.data import BOS_ID, EOS_ID
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tgt = torch.tensor([BOS_ID, *target, EOS_ID])[None]  # (1, T + 2)
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -147,7 +160,6 @@ def measure(length: int, steps: int, corpus: Path, threads: int | None) -> dict[
     cpu_seconds = (time.process_time() - cpu_start) / steps
     step_bytes = peak_rss_bytes() - before
     return {
-        "length": length,
         "seconds": seconds,
         "cpu_seconds": cpu_seconds,
         "samples": samples,

@@ -7,6 +7,7 @@ import math
 import lightning as L
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -22,9 +23,9 @@ class StopOnDivergence(L.Callback):
 
     Checked before each optimizer step, so the non-finite update is never applied and no checkpoint is
     written from it: the last good ``last.ckpt`` stays (and :class:`~torch_handle.callbacks.checkpointing.Checkpoint`
-    refuses non-finite weights besides). Every process checks its own losses and gradients (its shard under
-    FSDP; under DeepSpeed ZeRO the gradients live in DeepSpeed's buffers, so the loss decides) and one
-    all-reduce makes every process stop at the same step. With a gradient scaler (``16-mixed``) infinite
+    refuses non-finite weights besides). Every process checks its own losses and gradients (its shards under
+    FSDP and tensor parallelism; under DeepSpeed ZeRO the gradients live in DeepSpeed's buffers, so the loss
+    decides) and one all-reduce makes every process stop at the same step. With a gradient scaler (``16-mixed``) infinite
     gradients are the scaler's business (it skips the step), so only the loss is checked.
     """
 
@@ -40,6 +41,7 @@ class StopOnDivergence(L.Callback):
         losses = torch.stack(self._losses) if self._losses else torch.zeros(1)
         self._losses = []
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]  # this process's shards
         scaled = getattr(trainer.precision_plugin, "scaler", None) is not None
         norm = torch.zeros((), device=losses.device)
         if grads and not scaled:

@@ -14,8 +14,8 @@ from tests.context_parallel_worker import CASES
 from tests.helpers import ROOT, RUN_TIMEOUT, TINY_MODEL, check, cli, env
 from torch_handle.errors import SetupError
 from torch_handle.export import read_checkpoint
-from torch_handle.model import Transformer, TransformerConfig
-from torch_handle.parallel import apply_context_parallel, build_mesh
+from torch_handle.model import ConfigError, Transformer, TransformerConfig
+from torch_handle.parallel import build_mesh, check_context_parallel
 
 SHARED = ROOT.parent / "shared" / "data"
 TOLERANCE = 1e-5  # fp32, absolute: encoder output, loss and every gradient against one process
@@ -60,13 +60,41 @@ def test_a_mesh_that_does_not_divide_the_processes_is_one_line() -> None:
     )
 
 
-def test_full_attention_is_refused_in_one_line() -> None:
+FULL_ATTENTION = (
+    "--model.context_parallel=2 splits the sliding-window encoder: set --model.transformer.encoder_attention local, "
+    "or --model.context_parallel 1 for full attention"
+)
+
+
+def test_full_attention_is_refused_in_one_line(documents: Path, tmp_path: Path) -> None:
+    """The same line from the plan (a notebook applying it by hand) and from the CLI, before any process starts."""
     model = Transformer(
         TransformerConfig(d_model=8, num_heads=2, d_ff=8, num_encoder_layers=1, encoder_attention="full")
     )
-    with pytest.raises(SetupError, match=r"^context parallelism splits the sliding-window encoder: set "):
-        apply_context_parallel(model, None)  # type: ignore[arg-type]  # refused before the group is used
+    with pytest.raises(ConfigError) as err:
+        check_context_parallel(model.config, 2)
+    assert str(err.value) == FULL_ATTENTION
     assert type(model) is Transformer
+    run = cli(_cp_args(tmp_path, documents, 2, "--model.transformer.encoder_attention", "full"))
+    assert run.returncode != 0 and run.stderr.strip().splitlines()[-1] == f"error: {FULL_ATTENTION}"
+
+
+def test_a_strategy_with_its_own_mesh_is_refused_in_one_line(documents: Path, tmp_path: Path) -> None:
+    """ModelParallelStrategy lays out a (data_parallel, tensor_parallel) mesh; context parallelism would be ignored."""
+    run = cli(
+        [
+            *_cp_args(tmp_path, documents, 2),
+            "--config",
+            "configs/tp.yaml",  # torch_handle.strategies.ModelParallelStrategy
+            "--model.context_parallel",
+            "2",
+        ]  # fmt: skip
+    )
+    assert run.returncode != 0 and run.stderr.strip().splitlines()[-1] == (
+        "error: --model.context_parallel=2 lays out its own device mesh, but ModelParallelStrategy brings another: "
+        "use it with strategy ddp, fsdp or deepspeed, or set --model.context_parallel 1"
+    )
+    assert not (tmp_path / "checkpoints").exists()
 
 
 # --- through the CLI: the shipped config on two processes ------------------------------------------------------

@@ -10,7 +10,8 @@ what the checkpoint predicts.
 
 Every combination is its own set of test ids, one per step (``demo-zero3-test``), so a CI report reads as a
 table of combination x step. A step reuses its combination's trained run; a step whose run failed fails too.
-The matrix covers every data config with DDP, every strategy with the demo, and the riskiest cross pairs.
+The matrix covers every data config with DDP, every strategy with the demo, and the riskiest cross pairs
+(``fsdp2_tp`` needs 4 processes: ``tests/test_tensor_parallel.py`` trains it against one process).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ COMBOS = [
     ("summarization", "zero2"),
     ("summarization_cp", "ddp"),  # context parallelism: both processes encode halves of each source
     ("summarization_cp", "zero3"),
+    ("demo", "tp"),  # tensor parallelism: both processes hold half of every layer's heads and units
 ]
 STEPS = ["fit", "test", "predict", "export"]
 
@@ -202,7 +204,12 @@ def _fitted(data: str, strategy: str, base: Path) -> Run:
     if key not in _runs:
         folder = base / f"{data}-{strategy}"
         folder.mkdir()
-        config = ["--config", f"configs/{data}.yaml", "--config", STRATEGY_CONFIGS[strategy]]
+        config = [
+            "--config",
+            f"configs/{data}.yaml",
+            "--config",
+            STRATEGY_CONFIGS.get(strategy, f"configs/{strategy}.yaml"),
+        ]
         run = _runs[key] = Run(folder / "run", _data(data, folder), config)
         try:
             _launch(run.args("fit"))

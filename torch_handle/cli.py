@@ -300,5 +300,19 @@ def main(args: list[str] | None = None) -> None:
         sys.exit(f"error: {cause}")
 
 
+def command() -> None:
+    """The ``torch-handle`` process: :func:`main`, its ``error:`` line written in one piece. Every process of a
+    launch says it, and Python's own report of ``SystemExit`` writes the message and its newline apart, so two
+    processes' lines could interleave."""
+    try:
+        main()
+    except SystemExit as exit_:
+        if not isinstance(exit_.code, str):
+            raise
+        sys.stderr.write(exit_.code + "\n")  # stderr is line-buffered: one write
+        sys.stderr.flush()
+        sys.exit(1)
+
+
 if __name__ == "__main__":
-    main()
+    command()

@@ -17,10 +17,20 @@ from torchmetrics.aggregation import MeanMetric
 from torchmetrics.text import SacreBLEUScore
 from typing_extensions import override
 
+from torch_handle.errors import SetupError
 from torch_handle.hierarchical import summarize
 from torch_handle.metrics import ROUGE_KEYS, Rouge, bleu_signature
 from torch_handle.model import ConfigError, Transformer, TransformerConfig, generate
-from torch_handle.parallel import CONTEXT_PARALLEL, apply_context_parallel, build_mesh
+from torch_handle.parallel import (
+    CONTEXT_PARALLEL,
+    DATA_PARALLEL,
+    TENSOR_PARALLEL,
+    apply_context_parallel,
+    apply_fully_shard,
+    apply_tensor_parallel,
+    build_mesh,
+    check_context_parallel,
+)
 
 Task = Literal["translation", "summarization"]
 BLEU_TOKENIZE = "13a"  # sacreBLEU's default tokenizer, the one WMT results are reported with
@@ -106,11 +116,7 @@ class Seq2SeqModule(L.LightningModule):
         self.save_hyperparameters(ignore=["context_parallel"])
         self.context_parallel = context_parallel
         config = dataclasses.replace(transformer, src_vocab_size=vocab_size, tgt_vocab_size=vocab_size)
-        if context_parallel > 1 and config.encoder_attention != "local":
-            raise ConfigError(
-                f"--model.context_parallel={context_parallel} splits the sliding-window encoder: set "
-                "--model.transformer.encoder_attention local, or context_parallel 1 for full attention"
-            )
+        check_context_parallel(config, context_parallel)
         if config.position in ("sinusoidal", "learned") and max_new_tokens + 1 > config.max_len:
             raise ConfigError(
                 f"max_new_tokens={max_new_tokens} does not fit max_len={config.max_len} of position="
@@ -120,6 +126,7 @@ class Seq2SeqModule(L.LightningModule):
         self.config = config
         self.eval_metrics = torch.nn.ModuleDict({stage: self._new_metrics(stage) for stage in ("val", "test")})
         self._decoded: set[str] = set()  # stages that decoded in their current epoch
+        self._parallelized = False  # configure_model applied the parallelisation plans
 
     def _new_metrics(self, stage: str) -> torch.nn.ModuleDict:
         """Per-token smoothed objective and NLL (token-weighted means, summed over ranks), and BLEU or ROUGE."""
@@ -164,14 +171,27 @@ class Seq2SeqModule(L.LightningModule):
 
     @override
     def configure_model(self) -> None:
-        """Lays out the ``(data_parallel, context_parallel)`` mesh and makes the encoder context-parallel over it;
-        nothing to do without context parallelism. Lightning calls this once the processes are connected."""
-        cp = self.context_parallel
-        if cp == 1 or self._device_mesh is not None:
+        """Applies the parallelisation plans once the processes are connected: tensor parallelism and FSDP2 on
+        the mesh of :class:`~torch_handle.strategies.ModelParallelStrategy`, or context parallelism on a
+        ``(data_parallel, context_parallel)`` mesh laid out here; nothing under the other strategies."""
+        if self._parallelized:  # a second fit or test of this module
             return
-        trainer = self.trainer
-        self._device_mesh = build_mesh(trainer.world_size, cp, trainer.strategy.root_device.type)
-        apply_context_parallel(self.model, self._device_mesh[CONTEXT_PARALLEL].get_group())
+        self._parallelized = True
+        mesh, cp = self._device_mesh, self.context_parallel
+        if mesh is not None and cp > 1:
+            raise SetupError(
+                f"--model.context_parallel={cp} lays out its own device mesh, but "
+                f"{type(self.trainer.strategy).__name__} brings another: use it with strategy ddp, fsdp or "
+                "deepspeed, or set --model.context_parallel 1"
+            )
+        if mesh is not None:
+            if mesh[TENSOR_PARALLEL].size() > 1:
+                apply_tensor_parallel(self.model, mesh[TENSOR_PARALLEL])
+            apply_fully_shard(self.model, mesh[DATA_PARALLEL])  # also on one replica: Lightning loads DTensors
+        elif cp > 1:
+            trainer = self.trainer
+            self._device_mesh = build_mesh(trainer.world_size, cp, trainer.strategy.root_device.type)
+            apply_context_parallel(self.model, self._device_mesh[CONTEXT_PARALLEL].get_group())
 
     def _step_scale(self) -> int:
         """What the backward pass divides a micro-batch's loss by, undone so that the step's mean is per token.
@@ -179,11 +199,13 @@ class Seq2SeqModule(L.LightningModule):
         Lightning divides by ``accumulate_grad_batches``, a strategy that accumulates itself (DeepSpeed)
         divides by it once more, and DDP, DeepSpeed and FSDP average gradients over ranks. Under context
         parallelism a batch's ranks all compute its loss, and their gradients add up to ``context_parallel``
-        times its gradient (see :mod:`torch_handle.parallel.context`): only data-parallel replicas count here.
+        times its gradient (see :mod:`torch_handle.parallel.context`); tensor-parallel ranks compute one loss
+        together: only data-parallel replicas count here.
         """
         trainer = self.trainer
         accumulate = trainer.accumulate_grad_batches
-        replicas = trainer.world_size // self.context_parallel
+        mesh = self._device_mesh  # tensor- and context-parallel ranks share their replica's batch
+        replicas = trainer.world_size if mesh is None else mesh[DATA_PARALLEL].size()
         return accumulate * replicas * (accumulate if trainer.strategy.handles_gradient_accumulation else 1)
 
     @override

@@ -26,9 +26,11 @@ from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.plugins.precision import FSDPPrecision, Precision
 from lightning.pytorch.strategies import DeepSpeedStrategy as _LightningDeepSpeedStrategy
 from lightning.pytorch.strategies import FSDPStrategy as _LightningFSDPStrategy
+from lightning.pytorch.strategies import ModelParallelStrategy as _LightningModelParallelStrategy
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -255,3 +257,62 @@ class FSDPStrategy(_SafeFolders, _LightningFSDPStrategy):
                 **self.kwargs,
             )
         return super()._setup_model(model)
+
+
+class ModelParallelStrategy(_SafeFolders, _LightningModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` (a ``(data_parallel, tensor_parallel)`` device mesh, on GPUs or, over
+    gloo, on CPUs) whose checkpoint folders are written whole and checked before they are loaded.
+
+    The module applies the plans on the mesh in ``configure_model`` (:mod:`torch_handle.parallel`): tensor
+    parallelism over ``tensor_parallel_size`` processes, FSDP2 over ``data_parallel_size``. Takes Lightning's
+    arguments; ``save_distributed_checkpoint`` (default true) writes one shard per process, which export merges.
+    """
+
+    @override
+    def setup_environment(self) -> None:
+        dp, tp = self._data_parallel_size, self._tensor_parallel_size
+        dp = self.num_nodes if dp == "auto" else dp
+        tp = self.num_processes if tp == "auto" else tp
+        world = self.num_nodes * self.num_processes
+        if dp * tp != world:
+            raise SetupError(
+                f"data_parallel_size={dp} x tensor_parallel_size={tp} must equal the {world} processes "
+                "(trainer.devices x trainer.num_nodes): set --trainer.strategy.init_args.data_parallel_size and "
+                "tensor_parallel_size to multiply out, or 'auto' (the nodes x the devices of one node)"
+            )
+        super().setup_environment()
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if check_checkpoint(path).is_dir():
+            return super().load_checkpoint(path, weights_only)
+        checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+        module = self.lightning_module
+        params = dict(module.named_parameters())
+        with torch.no_grad():
+            for name, tensor in module.state_dict().items():
+                _local(tensor).copy_(_local(_split_like(checkpoint["state_dict"][name], tensor)))
+        by_id = list(params.values())  # Lightning keys a full optimizer state by the parameters' order
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):  # none outside fit
+            state = {
+                "param_groups": state["param_groups"],
+                "state": {
+                    i: {k: _split_like(v, by_id[i]) if k != "step" else v for k, v in values.items()}
+                    for i, values in state["state"].items()
+                },
+            }
+            optimizer.load_state_dict(state)
+        del checkpoint["state_dict"]
+        return checkpoint
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _split_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``full`` cut as ``like`` is across the mesh (strided head splits included), or as is."""
+    if not isinstance(like, DTensor):
+        return full.to(like.dtype)
+    return distribute_tensor(full.to(like.dtype), like.device_mesh, like.placements, src_data_rank=None)

@@ -101,8 +101,8 @@ class MultiHeadAttention(nn.Module):
             cache: Self-attention: new keys/values are appended. Cross-attention: filled on first use.
             capacity: Positions to preallocate when a self-attention cache is first filled.
         """
-        c = x.shape[-1]
-        w, b = self.in_proj.weight, self.in_proj.bias
+        w, b = self.packed_projection()
+        c = w.shape[0] // 3  # query rows: d_model, or this process's heads' share of it under tensor parallelism
         if memory is None:
             q, k, v = (self._heads(t) for t in F.linear(x, w, b).chunk(3, dim=-1))
             if rope is not None:
@@ -121,4 +121,11 @@ class MultiHeadAttention(nn.Module):
                     cache.k, cache.v, cache.length = k, v, k.shape[-2]
         dropout_p = self.dropout if self.training else 0.0
         out = attend(q, k, v, spec, self.backend, dropout_p)  # (B, H, T, D)
-        return self.out_proj(out.transpose(1, 2).reshape(x.shape))
+        return self.out_proj(out.transpose(1, 2).reshape(*x.shape[:-1], -1))
+
+    def packed_projection(self) -> tuple[Tensor, Tensor]:
+        """The query, key and value weight ``(3C, C)`` and bias ``(3C,)`` that :meth:`forward` multiplies by.
+
+        Tensor parallelism (:mod:`torch_handle.parallel.tensor`) returns this process's heads' rows instead.
+        """
+        return self.in_proj.weight, self.in_proj.bias

@@ -100,7 +100,8 @@ class Transformer(nn.Module):
                     f"a sequence of {end} tokens exceeds max_len={c.max_len} of position={c.position!r}: "
                     "raise max_len or use position='rope' or 'alibi'"
                 )
-            x = x + (self.pe[offset:end] if table is None else table.weight[offset:end]).to(x.dtype)
+            positions = torch.arange(offset, end, device=tokens.device)
+            x = x + (self.pe[offset:end] if table is None else table(positions)).to(x.dtype)
         return self.dropout(x)
 
     def _rope(self, offset: int, length: int, device: torch.device) -> tuple[Tensor, Tensor] | None:

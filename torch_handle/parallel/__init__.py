@@ -4,13 +4,20 @@ The model (``torch_handle.model``) stays free of distributed code, as torchtitan
 its models; a plan here changes how a built model runs, never its weights or their names.
 """
 
-from torch_handle.parallel.context import ContextParallelTransformer, apply_context_parallel
-from torch_handle.parallel.mesh import CONTEXT_PARALLEL, DATA_PARALLEL, build_mesh
+from torch_handle.parallel.context import ContextParallelTransformer, apply_context_parallel, check_context_parallel
+from torch_handle.parallel.mesh import CONTEXT_PARALLEL, DATA_PARALLEL, TENSOR_PARALLEL, build_mesh
+from torch_handle.parallel.sharding import apply_fully_shard
+from torch_handle.parallel.tensor import TensorParallelAttention, apply_tensor_parallel
 
 __all__ = [
     "CONTEXT_PARALLEL",
     "DATA_PARALLEL",
+    "TENSOR_PARALLEL",
     "ContextParallelTransformer",
+    "TensorParallelAttention",
     "apply_context_parallel",
+    "apply_fully_shard",
+    "apply_tensor_parallel",
     "build_mesh",
+    "check_context_parallel",
 ]

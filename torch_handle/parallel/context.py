@@ -32,8 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from torch_handle.errors import SetupError
-from torch_handle.model import Transformer
+from torch_handle.model import ConfigError, Transformer, TransformerConfig
 
 
 class _AllGather(torch.autograd.Function):
@@ -112,21 +111,30 @@ class ContextParallelTransformer(Transformer):
         return memory[:, : math.ceil(s / c.cross_downsample)]  # the slots past the source are all padding
 
 
+def check_context_parallel(config: TransformerConfig, context_parallel: int) -> None:
+    """Refuses, in one line, a model that cannot encode across ``context_parallel`` ranks.
+
+    Raises:
+        ConfigError: The encoder attends globally: every query would need every rank's keys.
+    """
+    if context_parallel > 1 and config.encoder_attention != "local":
+        raise ConfigError(
+            f"--model.context_parallel={context_parallel} splits the sliding-window encoder: set "
+            "--model.transformer.encoder_attention local, or --model.context_parallel 1 for full attention"
+        )
+
+
 def apply_context_parallel(model: Transformer, group: dist.ProcessGroup) -> ContextParallelTransformer:
     """Makes ``model`` encode across the ranks of ``group``, in place (as ``fully_shard`` swaps a module's class).
 
     Raises:
-        SetupError: The encoder attends globally: every query would need every rank's keys.
+        ConfigError: The encoder attends globally (:func:`check_context_parallel`).
     """
     if isinstance(model, ContextParallelTransformer):
         return model
     if type(model) is not Transformer:
         raise TypeError(f"context parallelism applies to torch_handle.model.Transformer, got {type(model).__name__}")
-    if model.config.encoder_attention != "local":
-        raise SetupError(
-            "context parallelism splits the sliding-window encoder: set --model.transformer.encoder_attention local "
-            "(full attention would need every rank's keys; use --model.context_parallel 1 for it)"
-        )
+    check_context_parallel(model.config, dist.get_world_size(group))
     model.__class__ = ContextParallelTransformer
     model.cp_group = group
     hook = functools.partial(_exchange_kv, halo=model.config.window, group=group)

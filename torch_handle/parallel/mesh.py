@@ -9,6 +9,7 @@ from torch_handle.errors import SetupError
 # Dimension names as Lightning's ModelParallelStrategy spells them ("data_parallel", "tensor_parallel"); the data
 # modules shard batches over the "data_parallel" dimension of the LightningModule's ``device_mesh``.
 DATA_PARALLEL = "data_parallel"
+TENSOR_PARALLEL = "tensor_parallel"
 CONTEXT_PARALLEL = "context_parallel"
 
 

@@ -1,0 +1,161 @@
+"""Tensor parallelism (``torch_handle.parallel.tensor``) on two CPU processes against one process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import RUN_TIMEOUT, check, cli, env, fit_args
+from tests.tensor_parallel_worker import CASES, STEPS, comparable
+from torch_handle.errors import SetupError
+from torch_handle.export import read_checkpoint
+from torch_handle.model import Transformer, TransformerConfig
+from torch_handle.parallel import apply_tensor_parallel
+
+TOLERANCE = 1e-5  # fp32, absolute: loss, every gradient and the weights after the steps, against one process
+
+
+MESHES = {"tp2": (1, 2), "fsdp2": (2, 1), "fsdp2-tp2": (2, 2)}  # (data_parallel, tensor_parallel); 2-D: 4 processes
+
+
+@pytest.fixture(scope="module", params=list(MESHES))
+def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """Every case trained on one mesh, by ``dp x tp`` processes (torchrun, gloo)."""
+    dp, tp = MESHES[request.param]
+    out = tmp_path_factory.mktemp(request.param) / "results.jsonl"
+    worker = Path(__file__).with_name("tensor_parallel_worker.py")
+    run_env = env()
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(dp * tp)]
+    subprocess.run(
+        [*command, "--master-port", run_env["MASTER_PORT"], str(worker), str(out), str(dp), str(tp)],
+        env=run_env,
+        cwd=Path(__file__).resolve().parents[1],
+        check=True,
+        timeout=RUN_TIMEOUT,
+    )
+    return {"mesh": request.param, **{r["case"]: r for r in map(json.loads, out.read_text().splitlines())}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_parallel_ranks_train_as_one_process(case: str, results: dict[str, dict]) -> None:
+    """Post-LN and pre-LN, tied and untied embeddings, every position type, full and local attention, padding in
+    source and target, pooled memory, activation checkpointing: equal losses, gradients and weights, step by step,
+    under tensor parallelism, FSDP2 and both."""
+    r = results[case]
+    assert len(r["loss"]) == len(r["grad"]) == STEPS
+    assert max(r["loss"]) <= TOLERANCE
+    assert max(r["grad"]) <= TOLERANCE < r["grad_scale"]  # gradients that exist, equal
+    assert r["weights"] <= TOLERANCE
+
+
+def test_the_heads_and_feed_forward_are_split_the_rest_replicated(results: dict[str, dict]) -> None:
+    """What tensor parallelism splits; FSDP2 alone shards every parameter on its dimension."""
+    sharded = results["pre-ln-tied-alibi-local"]["sharded"]
+    if MESHES[results["mesh"]][1] == 1:
+        assert len(sharded) == len(results["pre-ln-tied-alibi-local"]["names"])
+        return
+    per_layer = {name.split(".", 2)[2] for name in sharded}
+    assert per_layer == {
+        "self_attn.in_proj.weight", "self_attn.out_proj.weight",
+        "cross_attn.in_proj.weight", "cross_attn.out_proj.weight",
+        "ff.linear1.weight", "ff.linear1.bias", "ff.linear2.weight",
+    }  # fmt: skip
+    assert len(sharded) == 2 * 5 + 2 * 7  # 2 encoder layers (5 each), 2 decoder layers (7 each)
+
+
+def test_heads_that_do_not_divide_are_one_line() -> None:
+    model = Transformer(TransformerConfig(d_model=12, num_heads=3, d_ff=8, num_encoder_layers=1))
+
+    class Mesh:
+        def size(self) -> int:
+            return 2
+
+    with pytest.raises(SetupError) as err:
+        apply_tensor_parallel(model, Mesh())  # type: ignore[arg-type]  # refused before the mesh is used
+    assert str(err.value) == (
+        "tensor_parallel_size=2 must divide transformer.num_heads (3) and transformer.d_ff (8): "
+        "choose a tensor_parallel_size that divides both"
+    )
+
+
+# --- through the CLI: configs/tp.yaml stacked on the demo config, two processes --------------------------------------
+
+
+def _tp_args(root: Path, devices: int, *extra: str) -> list[str]:
+    """Four steps of ``fit --config configs/demo.yaml --config configs/tp.yaml`` with the tiny model."""
+    return fit_args(
+        root,
+        "--config", "configs/tp.yaml",
+        "--trainer.accelerator", "cpu",
+        "--trainer.devices", str(devices),
+        "--trainer.max_steps", "4",
+        "--checkpoint.every_n_train_steps", "2",
+        "--checkpoint.save_top_k", "-1",
+        *extra,
+    )  # fmt: skip
+
+
+def _weights(root: Path, name: str = "last.ckpt") -> dict[str, torch.Tensor]:
+    weights, _, _ = read_checkpoint(root / "checkpoints" / name)
+    return weights
+
+
+@pytest.fixture(scope="module")
+def tp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shipped tensor-parallel config on two processes, dropout on (0.1), a checkpoint every 2 steps."""
+    root = tmp_path_factory.mktemp("tp-run")
+    check(cli(_tp_args(root, 2, "--model.transformer.dropout", "0.1")))
+    return root
+
+
+@pytest.mark.slow
+def test_two_tensor_parallel_processes_train_as_one(tmp_path: Path) -> None:
+    """Without dropout, 4 steps on 2 processes that split every layer end with one process's weights."""
+    check(cli(_tp_args(tmp_path / "one", 1)))
+    check(cli(_tp_args(tmp_path / "two", 2)))
+    want, got = _weights(tmp_path / "one"), _weights(tmp_path / "two")
+    assert got.keys() == want.keys()
+    for name in want:
+        w, g = comparable(name, want[name]), comparable(name, got[name])
+        assert torch.linalg.norm(g - w) <= 1e-5 * torch.linalg.norm(w), name
+    assert any(not torch.equal(got[name], w) for name, w in _weights(tmp_path / "one", "epoch=0-step=2.ckpt").items())
+
+
+@pytest.mark.slow
+def test_fsdp2_across_tensor_parallel_pairs_trains_as_one_process(tmp_path: Path) -> None:
+    """configs/fsdp2_tp.yaml, 2 x 2 processes: each pair of tensor-parallel processes takes one batch of a step, as
+    one process accumulating both batches does."""
+    one = ("--trainer.accumulate_grad_batches", "2")
+    check(cli(_tp_args(tmp_path / "one", 1, *one)))
+    check(cli(_tp_args(tmp_path / "four", 4, "--config", "configs/fsdp2_tp.yaml")))
+    want, got = _weights(tmp_path / "one"), _weights(tmp_path / "four")
+    for name in want:
+        w, g = comparable(name, want[name]), comparable(name, got[name])
+        assert torch.linalg.norm(g - w) <= 1e-5 * torch.linalg.norm(w), name
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_run_resumes_exactly(tp_run: Path, tmp_path: Path) -> None:
+    """Resumed from step 2 (weights and AdamW state split back by heads, every rank's random state restored), it
+    ends bit for bit as the uninterrupted run."""
+    checkpoint = tp_run / "checkpoints" / "epoch=0-step=2.ckpt"
+    check(cli(_tp_args(tmp_path, 2, "--model.transformer.dropout", "0.1", "--ckpt_path", str(checkpoint))))
+    want, got = _weights(tp_run), _weights(tmp_path)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+def test_a_mesh_that_does_not_multiply_out_is_one_line(tmp_path: Path) -> None:
+    run = cli(_tp_args(tmp_path, 2, "--trainer.strategy.init_args.data_parallel_size", "2"))
+    assert run.returncode != 0 and run.stderr.strip().splitlines()[-1] == (
+        "error: data_parallel_size=2 x tensor_parallel_size=2 must equal the 2 processes (trainer.devices x "
+        "trainer.num_nodes): set --trainer.strategy.init_args.data_parallel_size and tensor_parallel_size to "
+        "multiply out, or 'auto' (the nodes x the devices of one node)"
+    )
+    assert not (tmp_path / "checkpoints").exists()

@@ -1,0 +1,122 @@
+"""Tensor parallelism in Megatron-LM's layout, on a DeviceMesh dimension, with PyTorch's DTensor.
+
+Each attention layer keeps ``num_heads / tp`` heads per rank and each feed-forward ``d_ff / tp`` hidden units: the
+first matrix of a block is split by output columns (query/key/value heads, ``linear1``'s units), the second by input
+rows (``out_proj``, ``linear2``), so a block needs one all-reduce forward (after its second matrix) and one backward
+(of its input's gradient), Megatron's ``g`` and ``f``. Everything else (embeddings, tied output layer, LayerNorms) is
+replicated: at our vocabularies (8k-32k tokens) the embedding is a few percent of a large model, replicated logits
+keep label smoothing, beam search and the metrics unchanged, and a tied table would have to be split the same way
+for lookup and projection.
+
+Every parameter becomes a DTensor on the mesh (sharded or ``Replicate``), so ``state_dict``, gradient clipping,
+``torch.distributed.checkpoint`` and FSDP2 see one model with its global shapes and names. The packed query/key/value
+weight ``(3C, C)`` is split as three stacked matrices, each by heads (:data:`HEADS`), the layout the attention code
+computes with; the weights keep their names and single-process layout, so checkpoints and exports are those of one
+process.
+
+Replicated activations stay equal on every rank because every rank draws the same dropout masks in the replicated
+regions (Lightning seeds all ranks alike, and the sharded regions draw equally many numbers on every rank).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from torch_handle.errors import SetupError
+from torch_handle.model import Transformer
+from torch_handle.model.attention import MultiHeadAttention
+from torch_handle.model.layers import FeedForward
+
+HEADS = _StridedShard(0, split_factor=3)
+"""The packed ``(3C, C)`` query/key/value weight as three ``(C, C)`` matrices, each split by heads: rank ``r`` holds
+``[q_r; k_r; v_r]``. FSDP2 shards such a weight on dim 1 (:mod:`torch_handle.parallel.sharding`)."""
+
+
+def _enter_parallel_region(x: Tensor, mesh: DeviceMesh) -> Tensor:
+    """Megatron's ``f``: identity forward; backward sums the gradient over the ranks, whose heads each used ``x``."""
+    return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+
+class TensorParallelAttention(MultiHeadAttention):
+    """A :class:`~torch_handle.model.attention.MultiHeadAttention` computing this rank's heads; ``out_proj`` (row
+    parallel) sums the heads' contributions. Made by :func:`apply_tensor_parallel`, never built directly."""
+
+    tp_mesh: DeviceMesh
+
+    def packed_projection(self) -> tuple[Tensor, Tensor]:
+        bias = self.in_proj.bias.redistribute(self.tp_mesh, [HEADS]).to_local()  # backward gathers its gradient
+        return self.in_proj.weight.to_local(), bias  # [q_r; k_r; v_r]
+
+    def forward(self, x: Tensor, spec: Any, memory: Tensor | None = None, **kwargs: Any) -> Tensor:
+        x = _enter_parallel_region(x, self.tp_mesh)
+        if memory is not None:
+            memory = _enter_parallel_region(memory, self.tp_mesh)
+        return super().forward(x, spec, memory, **kwargs)
+
+
+def _shard_attention(attention: MultiHeadAttention, mesh: DeviceMesh) -> None:
+    attention.in_proj.weight = nn.Parameter(distribute_tensor(attention.in_proj.weight.data, mesh, [HEADS]))
+    # The bias stays whole (3C numbers): FSDP2 could not shard a vector split this way once more and still gather
+    # it right (its full_tensor() would interleave wrongly); each rank slices its heads out in the forward pass.
+    attention.in_proj.bias = nn.Parameter(DTensor.from_local(attention.in_proj.bias.data, mesh, [Replicate()]))
+    parallelize_module(attention.out_proj, mesh, RowwiseParallel())
+    attention.__class__ = TensorParallelAttention
+    attention.tp_mesh = mesh
+    attention.num_heads //= mesh.size()
+
+
+def _replicate(module: nn.Module, mesh: DeviceMesh, shared: dict[int, nn.Parameter]) -> None:
+    """Makes ``module``'s own parameters ``Replicate`` DTensors (a tied weight stays one parameter) and wraps its
+    inputs and outputs, so it computes as before between plain-tensor neighbours."""
+
+    def partition(name: str, m: nn.Module, mesh: DeviceMesh) -> None:
+        if m is not module:
+            return
+        for key, param in list(m.named_parameters(recurse=False)):
+            if id(param) not in shared:
+                local = DTensor.from_local(param.data, mesh, [Replicate()], run_check=False)
+                shared[id(param)] = nn.Parameter(local, requires_grad=param.requires_grad)
+            setattr(m, key, shared[id(param)])
+
+    def inputs(m: nn.Module, args: tuple, mesh: DeviceMesh) -> tuple:
+        return tuple(
+            DTensor.from_local(a, mesh, [Replicate()], run_check=False) if isinstance(a, Tensor) else a for a in args
+        )
+
+    def outputs(m: nn.Module, out: DTensor, mesh: DeviceMesh) -> Tensor:
+        return out.to_local()
+
+    distribute_module(module, mesh, partition, inputs, outputs)
+
+
+def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh) -> Transformer:
+    """Splits ``model``'s attention heads and feed-forward units over the ranks of the 1-D ``mesh``, in place.
+
+    Raises:
+        SetupError: The heads or the feed-forward width do not divide by the mesh size.
+    """
+    tp, c = mesh.size(), model.config
+    if c.num_heads % tp or c.d_ff % tp:
+        raise SetupError(
+            f"tensor_parallel_size={tp} must divide transformer.num_heads ({c.num_heads}) and transformer.d_ff "
+            f"({c.d_ff}): choose a tensor_parallel_size that divides both"
+        )
+    shared: dict[int, nn.Parameter] = {}
+    for module in list(model.modules()):
+        if isinstance(module, MultiHeadAttention):
+            _shard_attention(module, mesh)
+        elif isinstance(module, FeedForward):
+            parallelize_module(module, mesh, {"linear1": ColwiseParallel(), "linear2": RowwiseParallel()})
+    for module in list(model.modules()):
+        if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
+            _replicate(module, mesh, shared)
+    if c.position == "alibi":  # this rank's heads' slopes (a buffer outside the state dict)
+        rank = mesh.get_local_rank()
+        model.slopes = model.slopes.chunk(tp)[rank].clone()
+    return model
