@@ -1,4 +1,4 @@
-"""DDP, DeepSpeed ZeRO-1/2/3 and FSDP on two CPU processes: step time, peak memory and model-state bytes.
+"""DDP, ZeRO-1/2/3, FSDP and tensor parallelism on two CPU processes: step time, peak memory, model-state bytes.
 
 Each strategy trains the same ~30M-parameter model on the built-in demo data through ``python cli.py fit
 --config configs/STRATEGY.yaml`` (two processes, gloo, one intra-op thread each), with :class:`StrategyProbe`
@@ -42,6 +42,7 @@ import common
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
+from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 log = logging.getLogger("bench_strategies")
@@ -56,16 +57,19 @@ CASES = {
     "zero3": ("zero3", []),
     "zero3, bucket 2e8": ("zero3", ["--trainer.strategy.init_args.reduce_bucket_size", "200000000"]),
     "fsdp": ("fsdp", []),
+    "tp": ("tp", []),
 }
 WORLD = 2
 MODEL = {"d_model": 512, "num_heads": 8, "num_encoder_layers": 4, "num_decoder_layers": 4, "d_ff": 2048}
 # fp32 bytes per parameter held by one rank of N: 4 params + 4 grads + 8 Adam (m, v), each sharded or not.
+# Tensor parallelism splits a fraction f of the parameters (the layers' matrices) and replicates the rest.
 FP32_FORMULA = {
-    "ddp": ("16", lambda n: 16.0),
-    "zero1": ("4 + 4 + 8/N", lambda n: 8 + 8 / n),
-    "zero2": ("4 + 12/N", lambda n: 4 + 12 / n),
-    "zero3": ("16/N", lambda n: 16 / n),
-    "fsdp": ("16/N", lambda n: 16 / n),
+    "ddp": ("16", lambda n, f: 16.0),
+    "zero1": ("4 + 4 + 8/N", lambda n, f: 8 + 8 / n),
+    "zero2": ("4 + 12/N", lambda n, f: 4 + 12 / n),
+    "zero3": ("16/N", lambda n, f: 16 / n),
+    "fsdp": ("16/N", lambda n, f: 16 / n),
+    "tp": ("16 (f/N + 1 - f)", lambda n, f: 16 * (f / n + 1 - f)),
 }
 # What DeepSpeed keeps: also an fp32 master partition, even when the parameters are fp32 already (the
 # mixed-precision formula's 12 optimizer bytes with 4-byte parameters and gradients); and its stage 1, like
@@ -75,14 +79,26 @@ DEEPSPEED_FORMULA = {
     "zero2": ("4 + 16/N", lambda n: 4 + 16 / n),
     "zero3": ("20/N", lambda n: 20 / n),
 }
-MIXED_FORMULA = {"ddp": "16", "zero1": "4 + 12/N", "zero2": "2 + 14/N", "zero3": "16/N", "fsdp": "16/N"}
+MIXED_FORMULA = {
+    "ddp": "16",
+    "zero1": "4 + 12/N",
+    "zero2": "2 + 14/N",
+    "zero3": "16/N",
+    "fsdp": "16/N",
+    "tp": "16 (f/N + 1 - f)",
+}
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (tensor parallelism, FSDP2), or the tensor."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _storages(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
     """Distinct storages (data pointer -> bytes) behind ``tensors``: views of one flat buffer count once."""
     found = {}
     for tensor in tensors:
-        storage = tensor.untyped_storage()
+        storage = _local(tensor).untyped_storage()
         if storage.nbytes():
             found[storage.data_ptr()] = storage.nbytes()
     return found
@@ -152,7 +168,7 @@ def model_state_bytes(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[
     )
     other = {k: v for k, v in _storages(t for _, t in walked).items() if k not in counted}
     add("other", other)
-    names = {t.untyped_storage().data_ptr(): name for name, t in reversed(walked)}  # the first path found
+    names = {_local(t).untyped_storage().data_ptr(): name for name, t in reversed(walked)}  # the first path found
     parts["largest_other"] = [[names[k], other[k]] for k in sorted(other, key=other.get, reverse=True)[:3]]
     parts["total"] = sum(counted.values())
     gc.collect()
@@ -181,6 +197,10 @@ class StrategyProbe(Callback):
     ) -> None:
         if trainer.global_step == 1:
             self.record["state"] = model_state_bytes(trainer, pl_module)
+            split = [
+                p for p in pl_module.parameters() if isinstance(p, DTensor) and not p.placements[-1].is_replicate()
+            ]
+            self.record["split_fraction"] = sum(p.numel() for p in split) / self.record["parameters"]
 
     @override
     def on_train_batch_end(
@@ -272,6 +292,7 @@ def main() -> None:
                 "peak_rss": [r["peak_rss"] for r in ranks],
                 "state": [r["state"] for r in ranks],
                 "parameters": ranks[0]["parameters"],
+                "split_fraction": ranks[0]["split_fraction"],
             }
             log.info("%s: median step %.2f s, peak RSS %s MiB", strategy, results[strategy]["wall"],
                      " / ".join(_mib(b) for b in results[strategy]["peak_rss"]))  # fmt: skip
@@ -303,7 +324,8 @@ def main() -> None:
                 " / ".join(_mib(state[k]) for k in ("params", "grads", "master", "adam_moments", "other")),
                 _mib(state["total"]),
                 f"{state['total'] / parameters:.2f}",
-                f"{label} = {formula(WORLD):.1f}",
+                f"{label} = {formula(WORLD, result['split_fraction']):.1f}"
+                + (f" (f = {result['split_fraction']:.3f})" if "f" in label else ""),
                 f"{ds_label} = {ds_formula(WORLD):.1f}" if ds_formula else "",
                 MIXED_FORMULA[config],
                 f"{state['total'] / base['state'][0]['total']:.2f}" if base else "",
@@ -316,7 +338,7 @@ def main() -> None:
     model = MODEL
     body = "\n\n".join(
         [
-            "## bench_strategies: DDP, ZeRO-1/2/3 and FSDP on two CPU processes",
+            "## bench_strategies: DDP, ZeRO-1/2/3, FSDP and tensor parallelism on two CPU processes",
             f"Command: `{command}`. {start_line}",
             f"`python cli.py fit --config configs/STRATEGY.yaml` with {WORLD} processes (gloo, one intra-op thread "
             f"each) on the built-in demo data, {args.max_tokens} padded tokens per batch per rank; model "
@@ -352,7 +374,9 @@ def main() -> None:
             "has ended (stage 1 holds every full gradient until the end of backward, stage 2 reduces them "
             "bucket by bucket during it). ZeRO-3 preallocates a reduce bucket of `reduce_bucket_size` elements: "
             "`configs/zero3.yaml` sets 1e7 (38 MiB in fp32); the `zero3, bucket 2e8` row shows Lightning's "
-            "default, 763 MiB, more than this model's whole state. The mixed-precision column is "
+            "default, 763 MiB, more than this model's whole state. Tensor parallelism (`tp`) splits every layer's "
+            "matrices, a fraction f of the parameters, over the N ranks and replicates the rest (embeddings, "
+            "norms, output-projection biases): 16 (f/N + 1 - f). The mixed-precision column is "
             "the ZeRO paper's (2-byte parameters and gradients, 12 bytes of fp32 master, m and v), for "
             "comparison only: it does not apply to these runs. `all live tensors` counts every tensor alive in "
             "the rank's Python heap (the batch and activations of the step included), a cross-check on the total.",
