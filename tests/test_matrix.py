@@ -54,6 +54,7 @@ COMBOS = [
     ("summarization_cp", "ddp"),  # context parallelism: both processes encode halves of each source
     ("summarization_cp", "zero3"),
     ("demo", "tp"),  # tensor parallelism: both processes hold half of every layer's heads and units
+    ("summarization", "tp"),  # ... with local attention, ALiBi slopes per rank's heads, pooled memory
 ]
 STEPS = ["fit", "test", "predict", "export"]
 

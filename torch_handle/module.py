@@ -176,7 +176,6 @@ class Seq2SeqModule(L.LightningModule):
         ``(data_parallel, context_parallel)`` mesh laid out here; nothing under the other strategies."""
         if self._parallelized:  # a second fit or test of this module
             return
-        self._parallelized = True
         mesh, cp = self._device_mesh, self.context_parallel
         if mesh is not None and cp > 1:
             raise SetupError(
@@ -192,6 +191,7 @@ class Seq2SeqModule(L.LightningModule):
             trainer = self.trainer
             self._device_mesh = build_mesh(trainer.world_size, cp, trainer.strategy.root_device.type)
             apply_context_parallel(self.model, self._device_mesh[CONTEXT_PARALLEL].get_group())
+        self._parallelized = True
 
     def _step_scale(self) -> int:
         """What the backward pass divides a micro-batch's loss by, undone so that the step's mean is per token.
