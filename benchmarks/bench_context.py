@@ -97,8 +97,9 @@ def measure(length: int, ranks: int, steps: int, corpus: Path, threads: int) -> 
     }
 
 
-def report(results: list[dict[str, Any]]) -> str:
-    """The RESULTS.md section: one row per (length, processes), ratios of 2 ranks to 1, and the verdicts."""
+def report(results: list[dict[str, Any]], machine: str) -> str:
+    """The RESULTS.md section: one row per (length, processes), ratios of 2 ranks to 1, the verdicts, and the
+    ``machine`` line taken before the first case (its load average is the one the cases started with)."""
     by = {(r["length"], r["ranks"]): r for r in results}
     rows = []
     for r in results:
@@ -164,7 +165,7 @@ def report(results: list[dict[str, Any]]) -> str:
             "process held before them; the largest rank is shown.",
             markdown_table(header, rows),
             "Verdicts: " + "; ".join(verdicts) + ".",
-            machine_line(int(results[0]["threads"]), str(results[0]["torch"])),
+            machine,
         ]
     )
 
@@ -185,6 +186,9 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(measure(length, ranks, args.steps, args.corpus, threads)))
         return
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    import torch  # only for its version in the machine line: the cases run in child processes
+
+    machine = machine_line(args.cores, torch.__version__)
     with tempfile.TemporaryDirectory() as tmp:
         corpus = Path(tmp) / "corpus.json"
         tokenized_corpus(max(args.lengths), corpus)
@@ -201,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
                     r["seconds"],
                     r["live_bytes"] / 2**20,
                 )
-    section = report(results)
+    section = report(results, machine)
     if args.no_write:
         sys.stdout.write(section + "\n")
     else:

@@ -159,3 +159,14 @@ def test_a_mesh_that_does_not_multiply_out_is_one_line(tmp_path: Path) -> None:
         "multiply out, or 'auto' (the nodes x the devices of one node)"
     )
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_sharded_checkpoints_under_tensor_parallelism_are_one_line(tmp_path: Path) -> None:
+    """Refused before training: torch.distributed.checkpoint would fail at the first save, steps later."""
+    run = cli(_tp_args(tmp_path, 2, "--trainer.strategy.init_args.save_distributed_checkpoint", "true"))
+    assert run.returncode != 0 and run.stderr.strip().splitlines()[-1] == (
+        "error: save_distributed_checkpoint=true cannot save tensor-parallel weights (torch.distributed.checkpoint "
+        "has no layout for the head-split attention weight): set "
+        "--trainer.strategy.init_args.save_distributed_checkpoint false"
+    )
+    assert not (tmp_path / "checkpoints").exists()

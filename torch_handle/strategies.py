@@ -265,7 +265,10 @@ class ModelParallelStrategy(_SafeFolders, _LightningModelParallelStrategy):
 
     The module applies the plans on the mesh in ``configure_model`` (:mod:`torch_handle.parallel`): tensor
     parallelism over ``tensor_parallel_size`` processes, FSDP2 over ``data_parallel_size``. Takes Lightning's
-    arguments; ``save_distributed_checkpoint`` (default true) writes one shard per process, which export merges.
+    arguments. With tensor parallelism a checkpoint is one file of full tensors (``save_distributed_checkpoint:
+    false``, as the shipped configs set): torch.distributed.checkpoint cannot describe the head-split packed
+    attention weight. This strategy loads such a file by splitting every tensor the way its parameter is split;
+    Lightning's loader cuts contiguous blocks, which is wrong for that weight.
     """
 
     @override
@@ -280,20 +283,26 @@ class ModelParallelStrategy(_SafeFolders, _LightningModelParallelStrategy):
                 "(trainer.devices x trainer.num_nodes): set --trainer.strategy.init_args.data_parallel_size and "
                 "tensor_parallel_size to multiply out, or 'auto' (the nodes x the devices of one node)"
             )
+        if tp > 1 and self._save_distributed_checkpoint:
+            raise SetupError(
+                "save_distributed_checkpoint=true cannot save tensor-parallel weights (torch.distributed.checkpoint "
+                "has no layout for the head-split attention weight): set "
+                "--trainer.strategy.init_args.save_distributed_checkpoint false"
+            )
         super().setup_environment()
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
-        if check_checkpoint(path).is_dir():
+        if path.is_dir():  # one shard per process: checked, then torch.distributed.checkpoint's own loader
             return super().load_checkpoint(path, weights_only)
+        check_checkpoint(path)
         checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
         module = self.lightning_module
-        params = dict(module.named_parameters())
         with torch.no_grad():
             for name, tensor in module.state_dict().items():
                 _local(tensor).copy_(_local(_split_like(checkpoint["state_dict"][name], tensor)))
-        by_id = list(params.values())  # Lightning keys a full optimizer state by the parameters' order
+        by_id = list(module.parameters())  # Lightning keys a full optimizer state by the parameters' order
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):  # none outside fit
             state = {
                 "param_groups": state["param_groups"],

@@ -32,6 +32,7 @@ from torch_handle.errors import SetupError
 from torch_handle.model import Transformer
 from torch_handle.model.attention import MultiHeadAttention
 from torch_handle.model.layers import FeedForward
+from torch_handle.model.masks import MaskSpec
 
 HEADS = _StridedShard(0, split_factor=3)
 """The packed ``(3C, C)`` query/key/value weight as three ``(C, C)`` matrices, each split by heads: rank ``r`` holds
@@ -53,7 +54,7 @@ class TensorParallelAttention(MultiHeadAttention):
         bias = self.in_proj.bias.redistribute(self.tp_mesh, [HEADS]).to_local()  # backward gathers its gradient
         return self.in_proj.weight.to_local(), bias  # [q_r; k_r; v_r]
 
-    def forward(self, x: Tensor, spec: Any, memory: Tensor | None = None, **kwargs: Any) -> Tensor:
+    def forward(self, x: Tensor, spec: MaskSpec, memory: Tensor | None = None, **kwargs: Any) -> Tensor:
         x = _enter_parallel_region(x, self.tp_mesh)
         if memory is not None:
             memory = _enter_parallel_region(memory, self.tp_mesh)
