@@ -1,4 +1,4 @@
-"""DDP, ZeRO-1/2/3, FSDP and tensor parallelism on two CPU processes: step time, peak memory, model-state bytes.
+"""DDP, ZeRO-1/2/3, FSDP, tensor and pipeline parallelism on two CPU processes: step time, peak memory, model state.
 
 Each strategy trains the same ~30M-parameter model on the built-in demo data through ``python cli.py fit
 --config configs/STRATEGY.yaml`` (two processes, gloo, one intra-op thread each), with :class:`StrategyProbe`
@@ -58,11 +58,13 @@ CASES = {
     "zero3, bucket 2e8": ("zero3", ["--trainer.strategy.init_args.reduce_bucket_size", "200000000"]),
     "fsdp": ("fsdp", []),
     "tp": ("tp", []),
+    "pp": ("pp", []),
 }
 WORLD = 2
 MODEL = {"d_model": 512, "num_heads": 8, "num_encoder_layers": 4, "num_decoder_layers": 4, "d_ff": 2048}
 # fp32 bytes per parameter held by one rank of N: 4 params + 4 grads + 8 Adam (m, v), each sharded or not.
-# Tensor parallelism splits a fraction f of the parameters (the layers' matrices) and replicates the rest.
+# Tensor parallelism splits a fraction f of the parameters (the layers' matrices) and replicates the rest; a pipeline
+# stage holds a share s of them (its layers, and the embeddings or output layer it runs).
 FP32_FORMULA = {
     "ddp": ("16", lambda n, f: 16.0),
     "zero1": ("4 + 4 + 8/N", lambda n, f: 8 + 8 / n),
@@ -70,7 +72,12 @@ FP32_FORMULA = {
     "zero3": ("16/N", lambda n, f: 16 / n),
     "fsdp": ("16/N", lambda n, f: 16 / n),
     "tp": ("16 (f/N + 1 - f)", lambda n, f: 16 * (f / n + 1 - f)),
+    "pp": ("16 s", lambda n, s: 16 * s),
 }
+FRACTION = {"tp": "f", "pp": "s"}  # the symbol of the fraction a formula takes
+# Batches one step trains: one per rank under data parallelism, one shared by the ranks under tensor and pipeline
+# parallelism (each rank reads the same token budget per batch), so their time per batch is their step time.
+BATCHES_PER_STEP = {"tp": 1, "pp": 1}
 # What DeepSpeed keeps: also an fp32 master partition, even when the parameters are fp32 already (the
 # mixed-precision formula's 12 optimizer bytes with 4-byte parameters and gradients); and its stage 1, like
 # stage 2, keeps only the rank's gradient partition once backward ends (it holds every gradient until then).
@@ -86,6 +93,7 @@ MIXED_FORMULA = {
     "zero3": "16/N",
     "fsdp": "16/N",
     "tp": "16 (f/N + 1 - f)",
+    "pp": "16 s",
 }
 
 
@@ -201,6 +209,8 @@ class StrategyProbe(Callback):
                 p for p in pl_module.parameters() if isinstance(p, DTensor) and not p.placements[-1].is_replicate()
             ]
             self.record["split_fraction"] = sum(p.numel() for p in split) / self.record["parameters"]
+            # A pipeline stage's share of the whole model (each parameter's global size: FSDP2 shards count whole).
+            self.record["held_fraction"] = sum(p.numel() for p in pl_module.parameters()) / self.record["parameters"]
 
     @override
     def on_train_batch_end(
@@ -293,6 +303,7 @@ def main() -> None:
                 "state": [r["state"] for r in ranks],
                 "parameters": ranks[0]["parameters"],
                 "split_fraction": ranks[0]["split_fraction"],
+                "held_fraction": [r["held_fraction"] for r in ranks],
             }
             log.info("%s: median step %.2f s, peak RSS %s MiB", strategy, results[strategy]["wall"],
                      " / ".join(_mib(b) for b in results[strategy]["peak_rss"]))  # fmt: skip
@@ -303,19 +314,25 @@ def main() -> None:
     timing_rows, state_rows = [], []
     for strategy, result in results.items():
         rss = result["peak_rss"]
+        batches = BATCHES_PER_STEP.get(CASES[strategy][0], WORLD)
+        per_batch = result["wall"] / batches
         timing_rows.append(
             [
                 strategy,
+                str(batches),
                 f"{result['wall']:.2f}",
                 f"{result['cpu']:.2f}",
                 f"{result['wall'] / base['wall']:.2f}" if base else "",
                 f"{result['cpu'] / base['cpu']:.2f}" if base else "",
+                f"{per_batch / (base['wall'] / WORLD):.2f}" if base else "",
                 " / ".join(_mib(b) for b in rss),
                 f"{max(rss) / max(base['peak_rss']):.2f}" if base else "",
             ]
         )
-        state = max(result["state"], key=lambda s: s["total"])  # the rank holding more (uneven partitions)
+        held = max(range(WORLD), key=lambda r: result["state"][r]["total"])  # the rank holding more (uneven shares)
+        state = result["state"][held]
         config = CASES[strategy][0]
+        fraction = result["held_fraction"][held] if config == "pp" else result["split_fraction"]
         label, formula = FP32_FORMULA[config]
         ds_label, ds_formula = DEEPSPEED_FORMULA.get(config, ("", None))
         state_rows.append(
@@ -324,8 +341,8 @@ def main() -> None:
                 " / ".join(_mib(state[k]) for k in ("params", "grads", "master", "adam_moments", "other")),
                 _mib(state["total"]),
                 f"{state['total'] / parameters:.2f}",
-                f"{label} = {formula(WORLD, result['split_fraction']):.1f}"
-                + (f" (f = {result['split_fraction']:.3f})" if "f" in label else ""),
+                f"{label} = {formula(WORLD, fraction):.2f}"
+                + (f" ({FRACTION[config]} = {fraction:.3f})" if config in FRACTION else ""),
                 f"{ds_label} = {ds_formula(WORLD):.1f}" if ds_formula else "",
                 MIXED_FORMULA[config],
                 f"{state['total'] / base['state'][0]['total']:.2f}" if base else "",
@@ -338,7 +355,7 @@ def main() -> None:
     model = MODEL
     body = "\n\n".join(
         [
-            "## bench_strategies: DDP, ZeRO-1/2/3, FSDP and tensor parallelism on two CPU processes",
+            "## bench_strategies: DDP, ZeRO-1/2/3, FSDP, tensor and pipeline parallelism on two CPU processes",
             f"Command: `{command}`. {start_line}",
             f"`python cli.py fit --config configs/STRATEGY.yaml` with {WORLD} processes (gloo, one intra-op thread "
             f"each) on the built-in demo data, {args.max_tokens} padded tokens per batch per rank; model "
@@ -346,15 +363,20 @@ def main() -> None:
             f"{model['num_decoder_layers']} layers, d_ff {model['d_ff']}, vocabulary 1000 (tied embeddings): "
             f"{parameters:,} parameters; fp32 (`32-true`), AdamW. Step time is the median over {args.steps} "
             f"steps after {args.warmup} untimed ones of the slower rank's step (forward, backward, gradient "
-            "communication, optimizer step); CPU time leaves out time taken by other processes. Peak RSS is each "
+            "communication, optimizer step); CPU time leaves out time taken by other processes. A step of DDP, "
+            "ZeRO or FSDP trains one batch per rank; a step of tensor or pipeline parallelism one batch shared by "
+            "both ranks, so its time per batch (tokens per second) is its step time: `wall per batch / DDP` "
+            "compares that. Peak RSS is each "
             "rank's resident high-water mark (`VmHWM`), PyTorch, Lightning and DeepSpeed runtime included.",
             common.markdown_table(
                 [
                     "strategy",
+                    "batches per step",
                     "step, wall (s)",
                     "step, CPU (s)",
                     "wall / DDP",
                     "CPU / DDP",
+                    "wall per batch / DDP",
                     "peak RSS rank 0 / 1 (MiB)",
                     "peak RSS / DDP",
                 ],
@@ -376,7 +398,9 @@ def main() -> None:
             "`configs/zero3.yaml` sets 1e7 (38 MiB in fp32); the `zero3, bucket 2e8` row shows Lightning's "
             "default, 763 MiB, more than this model's whole state. Tensor parallelism (`tp`) splits every layer's "
             "matrices, a fraction f of the parameters, over the N ranks and replicates the rest (embeddings, "
-            "norms, output-projection biases): 16 (f/N + 1 - f). The mixed-precision column is "
+            "norms, output-projection biases): 16 (f/N + 1 - f). A pipeline stage (`pp`: the encoder on rank 0, the "
+            "decoder on rank 1, 4 micro-batches by 1F1B) holds a share s of the parameters, its layers and the "
+            "embeddings or output layer it runs (the tied embedding on both): 16 s. The mixed-precision column is "
             "the ZeRO paper's (2-byte parameters and gradients, 12 bytes of fp32 master, m and v), for "
             "comparison only: it does not apply to these runs. `all live tensors` counts every tensor alive in "
             "the rank's Python heap (the batch and activations of the step included), a cross-check on the total.",

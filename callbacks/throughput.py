@@ -10,6 +10,7 @@ from typing_extensions import override
 
 from torch_handle.data.tokenizer import PAD_ID
 from torch_handle.flops import forward_flops, training_flops
+from torch_handle.parallel import DATA_PARALLEL
 
 
 def _lengths(batch: dict[str, Any], key: str, drop_last: bool = False) -> list[int]:
@@ -25,9 +26,11 @@ class Throughput(ThroughputMonitor):
     """Logs samples/s, tokens/s (source + target: Lightning's ``items_per_sec``), FLOPs/s and MFU per device.
 
     On in every ``torch-handle`` run (``--throughput.*`` sets it), for training and validation; decoding in
-    ``test`` and ``predict`` is not measured. Values are averages over ``window_size`` batches, logged every
-    ``--trainer.log_every_n_steps``. Batches are built to a token budget, so their size varies: FLOPs are counted
-    for every batch from its real lengths (:mod:`torch_handle.flops`) rather than measured once.
+    ``test`` and ``predict`` is not measured. Processes that compute one batch together (tensor, pipeline or
+    context parallelism) each count their share of it, so global figures count each batch once. Values are
+    averages over ``window_size`` batches, logged every ``--trainer.log_every_n_steps``. Batches are built to a
+    token budget, so their size varies: FLOPs are counted for every batch from its real lengths
+    (:mod:`torch_handle.flops`) rather than measured once.
 
     Args:
         peak_flops: Peak FLOP/s of one device for the run's dtype, e.g. ``989e12`` for an H100/H200 in bf16
@@ -37,8 +40,23 @@ class Throughput(ThroughputMonitor):
     """
 
     def __init__(self, peak_flops: float | None = None, window_size: int = 50) -> None:
-        super().__init__(batch_size_fn=lambda batch: batch["src"].shape[0], length_fn=_tokens, window_size=window_size)
+        super().__init__(batch_size_fn=self._rows, length_fn=self._tokens, window_size=window_size)
         self.peak_flops = peak_flops
+        self._share = 1.0  # the part of each batch that one process computes
+
+    def _rows(self, batch: dict[str, Any]) -> float:
+        return batch["src"].shape[0] * self._share
+
+    def _tokens(self, batch: dict[str, Any]) -> float:
+        return _tokens(batch) * self._share
+
+    def _set_share(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Lightning multiplies one process's figures by the processes for the global ones; processes that compute
+        one batch together (tensor, pipeline or context parallelism) each count their share of it, so that the
+        global figures count each batch once and MFU is each device's own."""
+        mesh = pl_module.device_mesh
+        replicas = trainer.world_size if mesh is None else mesh[DATA_PARALLEL].size()
+        self._share = replicas / trainer.world_size
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -52,7 +70,8 @@ class Throughput(ThroughputMonitor):
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        pl_module.flops_per_batch = training_flops(
+        self._set_share(trainer, pl_module)
+        pl_module.flops_per_batch = self._share * training_flops(
             pl_module.config, _lengths(batch, "src"), _lengths(batch, "tgt", drop_last=True)
         )
 
@@ -60,7 +79,8 @@ class Throughput(ThroughputMonitor):
     def on_validation_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        pl_module.flops_per_batch = forward_flops(
+        self._set_share(trainer, pl_module)
+        pl_module.flops_per_batch = self._share * forward_flops(
             pl_module.config, _lengths(batch, "src"), _lengths(batch, "tgt", drop_last=True)
         )
 

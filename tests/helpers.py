@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import csv
+import json
 import os
 import socket
 import subprocess
@@ -11,8 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import Callback
+from torch.distributed.tensor import DTensor
 from typing_extensions import override
+
+from torch_handle.export import read_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT = 180  # seconds for one two-process run; a hang fails the test instead of the suite
@@ -77,10 +83,71 @@ def cli(args: list[str], timeout: float = RUN_TIMEOUT, **extra_env: str) -> subp
     )
 
 
+def torchrun_results(worker: str, processes: int, out: Path, *args: str) -> list[dict[str, Any]]:
+    """The JSON lines that ``tests/WORKER OUT ARGS``, run on ``processes`` gloo processes by torch.distributed.run,
+    wrote to ``out``; a hang fails after :data:`RUN_TIMEOUT`. The checkout is on the path: workers import
+    ``tests.helpers``."""
+    run_env = env(PYTHONPATH=str(ROOT))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes)]
+    subprocess.run(
+        [*command, "--master-port", run_env["MASTER_PORT"], str(ROOT / "tests" / worker), str(out), *args],
+        env=run_env,
+        cwd=ROOT,
+        check=True,
+        timeout=RUN_TIMEOUT,
+    )
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
 def check(run: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     """Fails with the run's output tail when it exited non-zero."""
     assert run.returncode == 0, f"exit {run.returncode}\n{run.stdout[-3000:]}\n{run.stderr[-6000:]}"
     return run
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A tensor whole, gathered if it is a DTensor."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def comparable(name: str, weight: torch.Tensor) -> torch.Tensor:
+    """The weight without the key third of a packed bias: softmax ignores a constant added to every score, so that
+    bias's true gradient is zero and AdamW turns its rounding noise (1e-9, differently summed) into full steps."""
+    if name.endswith("in_proj.bias"):
+        q, _, v = weight.chunk(3)
+        return torch.cat((q, v))
+    return weight
+
+
+def checkpoint_weights(root: Path, name: str = "last.ckpt") -> dict[str, torch.Tensor]:
+    """The whole model's weights in ``root/checkpoints/NAME``, whichever strategy wrote it."""
+    return read_checkpoint(root / "checkpoints" / name)[0]
+
+
+def assert_weights_close(want: dict[str, torch.Tensor], got: dict[str, torch.Tensor], label: str = "") -> None:
+    """The same names, every tensor within 1e-5 of ``want``'s norm (see :func:`comparable`): one process's fp32
+    training against a parallel one's, whose sums run in another order."""
+    assert got.keys() == want.keys(), label
+    for name in want:
+        w, g = comparable(name, want[name]), comparable(name, got[name])
+        assert torch.linalg.norm(g - w) <= 1e-5 * torch.linalg.norm(w), f"{label} {name}"
+
+
+def csv_logger(root: Path) -> list[str]:
+    """``cli.py`` arguments that log every step's metrics, throughput's over windows of 2 steps, to CSV in ``root``."""
+    return [
+        "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
+        "--trainer.logger.save_dir", str(root / "csv"),
+        "--trainer.log_every_n_steps", "1",
+        "--throughput.window_size", "2",
+    ]  # fmt: skip
+
+
+def logged(root: Path, name: str) -> list[float]:
+    """The values of metric ``name`` that :func:`csv_logger` wrote, in order."""
+    (metrics,) = (root / "csv").rglob("metrics.csv")
+    with metrics.open() as f:
+        return [float(row[name]) for row in csv.DictReader(f) if row.get(name)]
 
 
 def train_losses(root: Path) -> dict[int, float]:

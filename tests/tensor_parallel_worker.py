@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from tests.helpers import comparable, full  # the launching test puts the checkout on PYTHONPATH
 from torch_handle.model import Transformer, TransformerConfig
 from torch_handle.parallel import apply_fully_shard, apply_tensor_parallel
 
@@ -63,19 +64,6 @@ def loss_of(model: Transformer, src: torch.Tensor, tgt: torch.Tensor) -> torch.T
     logits = model(src, tgt[:, :-1])
     labels = tgt[:, 1:].flatten()
     return F.cross_entropy(logits.flatten(0, 1), labels, ignore_index=model.config.pad_id, label_smoothing=0.1)
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def comparable(name: str, weight: torch.Tensor) -> torch.Tensor:
-    """The weight without the key third of a packed bias: softmax ignores a constant added to every score, so that
-    bias's true gradient is zero and AdamW turns its rounding noise (1e-9, differently summed) into full steps."""
-    if name.endswith("in_proj.bias"):
-        q, _, v = weight.chunk(3)
-        return torch.cat((q, v))
-    return weight
 
 
 def run_case(name: str, overrides: dict, mesh: DeviceMesh) -> dict:

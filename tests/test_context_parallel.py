@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.context_parallel_worker import CASES
-from tests.helpers import ROOT, RUN_TIMEOUT, TINY_MODEL, check, cli, env
+from tests.helpers import ROOT, TINY_MODEL, check, cli, torchrun_results
 from torch_handle.errors import SetupError
 from torch_handle.export import read_checkpoint
 from torch_handle.model import ConfigError, Transformer, TransformerConfig
@@ -23,18 +21,8 @@ TOLERANCE = 1e-5  # fp32, absolute: encoder output, loss and every gradient agai
 
 @pytest.fixture(scope="module")
 def two_rank_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    out = tmp_path_factory.mktemp("cp") / "results.jsonl"
-    worker = Path(__file__).with_name("context_parallel_worker.py")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port"]
-    run_env = env()
-    subprocess.run(
-        [*command, run_env["MASTER_PORT"], str(worker), str(out)],
-        env=run_env,
-        cwd=Path(__file__).resolve().parents[1],
-        check=True,
-        timeout=RUN_TIMEOUT,
-    )
-    return {r["case"]: r for r in map(json.loads, out.read_text().splitlines())}
+    results = torchrun_results("context_parallel_worker.py", 2, tmp_path_factory.mktemp("cp") / "results.jsonl")
+    return {r["case"]: r for r in results}
 
 
 @pytest.mark.slow

@@ -55,6 +55,8 @@ COMBOS = [
     ("summarization_cp", "zero3"),
     ("demo", "tp"),  # tensor parallelism: both processes hold half of every layer's heads and units
     ("summarization", "tp"),  # ... with local attention, ALiBi slopes per rank's heads, pooled memory
+    ("demo", "pp"),  # pipeline parallelism: the encoder layer on one process, the decoder layer on the other
+    ("summarization", "pp"),  # ... the pooled memory of a local-attention ALiBi encoder carried to the decoder stage
 ]
 STEPS = ["fit", "test", "predict", "export"]
 

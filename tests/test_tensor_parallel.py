@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import RUN_TIMEOUT, check, cli, env, fit_args
-from tests.tensor_parallel_worker import CASES, STEPS, comparable
+from tests.helpers import (
+    assert_weights_close,
+    check,
+    checkpoint_weights,
+    cli,
+    csv_logger,
+    fit_args,
+    logged,
+    torchrun_results,
+)
+from tests.tensor_parallel_worker import CASES, STEPS
 from torch_handle.errors import SetupError
-from torch_handle.export import read_checkpoint
 from torch_handle.model import Transformer, TransformerConfig
 from torch_handle.parallel import apply_tensor_parallel
 
@@ -28,17 +33,8 @@ def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     """Every case trained on one mesh, by ``dp x tp`` processes (torchrun, gloo)."""
     dp, tp = MESHES[request.param]
     out = tmp_path_factory.mktemp(request.param) / "results.jsonl"
-    worker = Path(__file__).with_name("tensor_parallel_worker.py")
-    run_env = env()
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(dp * tp)]
-    subprocess.run(
-        [*command, "--master-port", run_env["MASTER_PORT"], str(worker), str(out), str(dp), str(tp)],
-        env=run_env,
-        cwd=Path(__file__).resolve().parents[1],
-        check=True,
-        timeout=RUN_TIMEOUT,
-    )
-    return {"mesh": request.param, **{r["case"]: r for r in map(json.loads, out.read_text().splitlines())}}
+    results = torchrun_results("tensor_parallel_worker.py", dp * tp, out, str(dp), str(tp))
+    return {"mesh": request.param, **{r["case"]: r for r in results}}
 
 
 @pytest.mark.slow
@@ -101,11 +97,6 @@ def _tp_args(root: Path, devices: int, *extra: str) -> list[str]:
     )  # fmt: skip
 
 
-def _weights(root: Path, name: str = "last.ckpt") -> dict[str, torch.Tensor]:
-    weights, _, _ = read_checkpoint(root / "checkpoints" / name)
-    return weights
-
-
 @pytest.fixture(scope="module")
 def tp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The shipped tensor-parallel config on two processes, dropout on (0.1), a checkpoint every 2 steps."""
@@ -116,15 +107,16 @@ def tp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.slow
 def test_two_tensor_parallel_processes_train_as_one(tmp_path: Path) -> None:
-    """Without dropout, 4 steps on 2 processes that split every layer end with one process's weights."""
-    check(cli(_tp_args(tmp_path / "one", 1)))
-    check(cli(_tp_args(tmp_path / "two", 2)))
-    want, got = _weights(tmp_path / "one"), _weights(tmp_path / "two")
-    assert got.keys() == want.keys()
-    for name in want:
-        w, g = comparable(name, want[name]), comparable(name, got[name])
-        assert torch.linalg.norm(g - w) <= 1e-5 * torch.linalg.norm(w), name
-    assert any(not torch.equal(got[name], w) for name, w in _weights(tmp_path / "one", "epoch=0-step=2.ckpt").items())
+    """Without dropout, 4 steps on 2 processes that split every layer end with one process's weights; throughput
+    counts each batch once."""
+    check(cli(_tp_args(tmp_path / "one", 1, *csv_logger(tmp_path / "one"))))
+    check(cli(_tp_args(tmp_path / "two", 2, *csv_logger(tmp_path / "two"))))
+    for count in ("train/samples", "train/lengths"):  # each process counts half of every batch: globally, once
+        assert [2 * n for n in logged(tmp_path / "two", count)] == logged(tmp_path / "one", count), count
+    want, got = checkpoint_weights(tmp_path / "one"), checkpoint_weights(tmp_path / "two")
+    assert_weights_close(want, got)
+    step2 = checkpoint_weights(tmp_path / "one", "epoch=0-step=2.ckpt")
+    assert any(not torch.equal(got[name], w) for name, w in step2.items())
 
 
 @pytest.mark.slow
@@ -134,10 +126,7 @@ def test_fsdp2_across_tensor_parallel_pairs_trains_as_one_process(tmp_path: Path
     one = ("--trainer.accumulate_grad_batches", "2")
     check(cli(_tp_args(tmp_path / "one", 1, *one)))
     check(cli(_tp_args(tmp_path / "four", 4, "--config", "configs/fsdp2_tp.yaml")))
-    want, got = _weights(tmp_path / "one"), _weights(tmp_path / "four")
-    for name in want:
-        w, g = comparable(name, want[name]), comparable(name, got[name])
-        assert torch.linalg.norm(g - w) <= 1e-5 * torch.linalg.norm(w), name
+    assert_weights_close(checkpoint_weights(tmp_path / "one"), checkpoint_weights(tmp_path / "four"))
 
 
 @pytest.mark.slow
@@ -146,7 +135,7 @@ def test_a_tensor_parallel_run_resumes_exactly(tp_run: Path, tmp_path: Path) -> 
     ends bit for bit as the uninterrupted run."""
     checkpoint = tp_run / "checkpoints" / "epoch=0-step=2.ckpt"
     check(cli(_tp_args(tmp_path, 2, "--model.transformer.dropout", "0.1", "--ckpt_path", str(checkpoint))))
-    want, got = _weights(tp_run), _weights(tmp_path)
+    want, got = checkpoint_weights(tp_run), checkpoint_weights(tmp_path)
     for name in want:
         assert torch.equal(got[name], want[name]), name
 
@@ -154,9 +143,9 @@ def test_a_tensor_parallel_run_resumes_exactly(tp_run: Path, tmp_path: Path) -> 
 def test_a_mesh_that_does_not_multiply_out_is_one_line(tmp_path: Path) -> None:
     run = cli(_tp_args(tmp_path, 2, "--trainer.strategy.init_args.data_parallel_size", "2"))
     assert run.returncode != 0 and run.stderr.strip().splitlines()[-1] == (
-        "error: data_parallel_size=2 x tensor_parallel_size=2 must equal the 2 processes (trainer.devices x "
-        "trainer.num_nodes): set --trainer.strategy.init_args.data_parallel_size and tensor_parallel_size to "
-        "multiply out, or 'auto' (the nodes x the devices of one node)"
+        "error: data_parallel_size=2 x pipeline_parallel_size=1 x tensor_parallel_size=2 must equal the 2 processes "
+        "(trainer.devices x trainer.num_nodes): set --trainer.strategy.init_args.data_parallel_size, "
+        "pipeline_parallel_size and tensor_parallel_size to multiply out, or 'auto'"
     )
     assert not (tmp_path / "checkpoints").exists()
 

@@ -11,6 +11,7 @@ from typing import Any, Literal
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torchmetrics.aggregation import MeanMetric
@@ -24,9 +25,13 @@ from torch_handle.model import ConfigError, Transformer, TransformerConfig, gene
 from torch_handle.parallel import (
     CONTEXT_PARALLEL,
     DATA_PARALLEL,
+    PIPELINE_PARALLEL,
     TENSOR_PARALLEL,
+    Pipeline,
     apply_context_parallel,
     apply_fully_shard,
+    apply_fully_shard_stage,
+    apply_pipeline_parallel,
     apply_tensor_parallel,
     build_mesh,
     check_context_parallel,
@@ -127,6 +132,7 @@ class Seq2SeqModule(L.LightningModule):
         self.eval_metrics = torch.nn.ModuleDict({stage: self._new_metrics(stage) for stage in ("val", "test")})
         self._decoded: set[str] = set()  # stages that decoded in their current epoch
         self._parallelized = False  # configure_model applied the parallelisation plans
+        self._pipeline: Pipeline | None = None  # this process's pipeline stage, under pipeline parallelism
 
     def _new_metrics(self, stage: str) -> torch.nn.ModuleDict:
         """Per-token smoothed objective and NLL (token-weighted means, summed over ranks), and BLEU or ROUGE."""
@@ -153,27 +159,59 @@ class Seq2SeqModule(L.LightningModule):
 
         ``memory``, the encoder's output for ``batch["src"]``, is passed in evaluation, where decoding reuses it.
         Sums, not means: the caller divides by the tokens of whatever it averages over (an optimizer step, a
-        whole evaluation set), so every token weighs the same. One log-softmax serves both: smoothed loss =
-        (1 - eps) * NLL + eps * mean over the vocabulary of -log p, as ``F.cross_entropy(label_smoothing=eps)``.
+        whole evaluation set), so every token weighs the same.
         """
         src, tgt = batch["src"], batch["tgt"]
         if memory is None:
             logits = self.model(src, tgt[:, :-1])  # (B, T, V)
         else:
             logits = self.model.decode(tgt[:, :-1], memory, self.model.memory_padding(src))
-        labels = tgt[:, 1:].reshape(-1)
+        return self._token_sums(logits, tgt[:, 1:])
+
+    def _token_sums(self, logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Smoothed loss, NLL (both summed) and the token count of ``logits (B, T, V)`` against ``labels (B, T)``.
+
+        One log-softmax serves both: smoothed loss = (1 - eps) * NLL + eps * mean over the vocabulary of -log p, as
+        ``F.cross_entropy(label_smoothing=eps)``.
+        """
+        pad = self.config.pad_id
+        labels = labels.reshape(-1)
         log_probs = F.log_softmax(logits.float(), dim=-1).view(-1, logits.shape[-1])
-        keep = labels != self.config.pad_id
-        nll = F.nll_loss(log_probs, labels, ignore_index=self.config.pad_id, reduction="sum")
+        keep = labels != pad
+        nll = F.nll_loss(log_probs, labels, ignore_index=pad, reduction="sum")
         smooth = -(log_probs.mean(dim=-1) * keep).sum()
         eps = self.hparams.label_smoothing
         return (1 - eps) * nll + eps * smooth, nll, keep.sum()
 
+    def _pipelined(self, batch: dict[str, Any], scale: Tensor | float | None) -> tuple[Tensor, Tensor, Tensor]:
+        """A batch through the pipeline (:mod:`torch_handle.parallel.pipeline`): forward and backward when ``scale``
+        is given (each micro-batch backpropagates its summed smoothed loss times ``scale``), forward only when None.
+        Returns the batch's three sums (see :meth:`_token_sums`) on every stage."""
+        sums: list[Tensor] = []
+
+        def loss_fn(logits: Tensor, labels: Tensor) -> Tensor:
+            loss_sum, nll_sum, tokens = self._token_sums(logits, labels)
+            sums.append(torch.stack((loss_sum.detach(), nll_sum.detach(), tokens.to(nll_sum.dtype))))
+            return loss_sum * scale if scale is not None else loss_sum
+
+        tgt = batch["tgt"]
+        run = self._pipeline.step if scale is not None else self._pipeline.eval
+        run(batch["src"], tgt[:, :-1], tgt[:, 1:], loss_fn)
+        total = torch.stack(sums).sum(dim=0) if sums else torch.zeros(3, device=tgt.device)
+        loss_sum, nll_sum, tokens = self._pipeline.from_last_stage(total.float())
+        return loss_sum, nll_sum, tokens.long()
+
     @override
     def configure_model(self) -> None:
-        """Applies the parallelisation plans once the processes are connected: tensor parallelism and FSDP2 on
-        the mesh of :class:`~torch_handle.strategies.ModelParallelStrategy`, or context parallelism on a
-        ``(data_parallel, context_parallel)`` mesh laid out here; nothing under the other strategies."""
+        """Applies the parallelisation plans once the processes are connected: pipeline stages, or tensor
+        parallelism, then FSDP2, on the mesh of :class:`~torch_handle.strategies.ModelParallelStrategy`; or context
+        parallelism on a ``(data_parallel, context_parallel)`` mesh laid out here; nothing under the other
+        strategies."""
+        if self._pipeline is not None and self.trainer.state.fn != TrainerFn.FITTING:
+            raise SetupError(
+                "this module was split into pipeline stages by fit: test or predict its checkpoint with a new module "
+                "(torch-handle test --ckpt_path ..., or trainer.test(Seq2SeqModule(...), ckpt_path=...))"
+            )
         if self._parallelized:  # a second fit or test of this module
             return
         mesh, cp = self._device_mesh, self.context_parallel
@@ -183,7 +221,18 @@ class Seq2SeqModule(L.LightningModule):
                 f"{type(self.trainer.strategy).__name__} brings another: use it with strategy ddp, fsdp or "
                 "deepspeed, or set --model.context_parallel 1"
             )
-        if mesh is not None:
+        pipeline = getattr(self.trainer.strategy, "pipeline", None)
+        if mesh is not None and PIPELINE_PARALLEL in mesh.mesh_dim_names and mesh[PIPELINE_PARALLEL].size() > 1:
+            every = self.hparams.generate_every_n_val_epochs
+            if every:
+                raise SetupError(
+                    f"--model.generate_every_n_val_epochs={every}: a pipeline cannot run beam search (test and predict "
+                    "decode with every process as a replica): set --model.generate_every_n_val_epochs 0"
+                )
+            stage = apply_pipeline_parallel(self.model, mesh[PIPELINE_PARALLEL], pipeline)
+            apply_fully_shard_stage(stage, mesh[DATA_PARALLEL])
+            self._pipeline = Pipeline(stage, mesh[PIPELINE_PARALLEL], pipeline)
+        elif mesh is not None:
             if mesh[TENSOR_PARALLEL].size() > 1:
                 apply_tensor_parallel(self.model, mesh[TENSOR_PARALLEL])
             apply_fully_shard(self.model, mesh[DATA_PARALLEL])  # also on one replica: Lightning loads DTensors
@@ -221,11 +270,27 @@ class Seq2SeqModule(L.LightningModule):
 
     @override
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
-        loss_sum, nll_sum, tokens = self._loss(batch)
         step_tokens = batch.get("step_tokens", 0)
-        # The step's gradient is sum(token losses) / step_tokens over all its micro-batches and ranks, as fairseq
-        # does; a loader without step_tokens falls back to each micro-batch's own mean.
-        loss = loss_sum * (self._step_scale() / step_tokens) if step_tokens else loss_sum / tokens
+        if self._pipeline is not None:
+            # The schedule runs the backward passes; Lightning's (``backward`` below) is skipped, and with it
+            # Lightning's division by accumulate_grad_batches, which the scale therefore leaves out. Lightning zeroes
+            # the gradients between training_step and backward, too late here: they are zeroed first.
+            accumulate = self.trainer.accumulate_grad_batches
+            if batch_idx % accumulate == 0:
+                for optimizer in self.trainer.optimizers:
+                    optimizer.zero_grad()
+            if step_tokens:
+                scale = self._step_scale() / (accumulate * step_tokens)
+            else:
+                tokens = (batch["tgt"][:, 1:] != self.config.pad_id).sum()
+                scale = 1 / (accumulate * tokens.clamp(min=1))
+            loss_sum, nll_sum, tokens = self._pipelined(batch, scale)
+            loss = loss_sum * scale * accumulate  # what Lightning reports, undivided as it divides it
+        else:
+            loss_sum, nll_sum, tokens = self._loss(batch)
+            # The step's gradient is sum(token losses) / step_tokens over all its micro-batches and ranks, as
+            # fairseq does; a loader without step_tokens falls back to each micro-batch's own mean.
+            loss = loss_sum * (self._step_scale() / step_tokens) if step_tokens else loss_sum / tokens
         per_token = tokens.clamp(min=1)
         batch_size = batch["tgt"].shape[0]
         nll = nll_sum.detach() / per_token  # per token, without label smoothing
@@ -246,8 +311,12 @@ class Seq2SeqModule(L.LightningModule):
         # One encoder pass for the loss and the decoding. Not on several processes: there a rank's decoding calls
         # mirror the other ranks' (dummy calls included, see ``decode_batch``), and under ZeRO-3 or FSDP each
         # encoder pass gathers parameters, so every call must run the encoder alike.
-        memory = self.model.encode(batch["src"]) if self.trainer.world_size == 1 else None
-        loss_sum, nll_sum, tokens = self._loss(batch, memory)
+        if self._pipeline is not None:  # the loss only: decoding is refused in configure_model
+            loss_sum, nll_sum, tokens = self._pipelined(batch, None)
+            memory = None
+        else:
+            memory = self.model.encode(batch["src"]) if self.trainer.world_size == 1 else None
+            loss_sum, nll_sum, tokens = self._loss(batch, memory)
         predictions = self.decode_batch(batch, memory) if decode else None
         if decode:
             self._decoded.add(stage)
@@ -413,6 +482,34 @@ class Seq2SeqModule(L.LightningModule):
             generate(self.model, dummy, h.max_new_tokens, h.num_beams, h.length_penalty, lambda _: all_done(True))
 
     # --- optimisation -------------------------------------------------------------------------------------
+
+    @override
+    def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
+        if self._pipeline is None:  # the pipeline's schedule ran the backward passes in training_step
+            super().backward(loss, *args, **kwargs)
+
+    @override
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
+        if self._pipeline is None:  # the pipeline's training_step zeroes them before its backward passes
+            super().optimizer_zero_grad(epoch, batch_idx, optimizer)
+
+    @override
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self._pipeline is not None:  # before clipping: the tied embedding's two copies get one gradient
+            self._pipeline.sync_tied_grads()
+
+    @override
+    def configure_gradient_clipping(
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        """Under pipeline parallelism, clipping by norm takes the norm over every stage's gradients."""
+        if self._pipeline is not None and gradient_clip_val and gradient_clip_algorithm in (None, "norm"):
+            self._pipeline.clip_grad_norm_(gradient_clip_val)
+            return
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     @override
     def configure_optimizers(self) -> Any:

@@ -15,10 +15,12 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Mapping
+from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
+import torch.distributed.checkpoint as dcp
 from lightning.fabric.strategies.deepspeed import _DEEPSPEED_AVAILABLE
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH
@@ -29,6 +31,14 @@ from lightning.pytorch.strategies import FSDPStrategy as _LightningFSDPStrategy
 from lightning.pytorch.strategies import ModelParallelStrategy as _LightningModelParallelStrategy
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.constants import default_pg_timeout
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn import Module
@@ -43,6 +53,8 @@ from torch_handle.checkpoints import (
     recover_interrupted_save,
 )
 from torch_handle.errors import SetupError
+from torch_handle.parallel import DATA_PARALLEL, PIPELINE_PARALLEL, TENSOR_PARALLEL, PipelineConfig
+from torch_handle.parallel.pipeline import Schedule
 
 
 class _SafeFolders:
@@ -260,28 +272,74 @@ class FSDPStrategy(_SafeFolders, _LightningFSDPStrategy):
 
 
 class ModelParallelStrategy(_SafeFolders, _LightningModelParallelStrategy):
-    """Lightning's ``ModelParallelStrategy`` (a ``(data_parallel, tensor_parallel)`` device mesh, on GPUs or, over
-    gloo, on CPUs) whose checkpoint folders are written whole and checked before they are loaded.
+    """Lightning's ``ModelParallelStrategy`` on one ``(data_parallel, pipeline_parallel, tensor_parallel)`` device mesh
+    (on GPUs or, over gloo, on CPUs), whose checkpoint folders are written whole and checked before they are loaded.
 
-    The module applies the plans on the mesh in ``configure_model`` (:mod:`torch_handle.parallel`): tensor
-    parallelism over ``tensor_parallel_size`` processes, FSDP2 over ``data_parallel_size``. Takes Lightning's
-    arguments. With tensor parallelism a checkpoint is one file of full tensors (``save_distributed_checkpoint:
-    false``, as the shipped configs set): torch.distributed.checkpoint cannot describe the head-split packed
-    attention weight. This strategy loads such a file by splitting every tensor the way its parameter is split;
-    Lightning's loader cuts contiguous blocks, which is wrong for that weight.
+    The module applies the plans on the mesh in ``configure_model`` (:mod:`torch_handle.parallel`): pipeline
+    stages over ``pipeline_parallel_size`` processes, tensor parallelism over ``tensor_parallel_size``, FSDP2 over
+    ``data_parallel_size``; their product is the number of processes. Takes Lightning's arguments, and:
+
+    Args:
+        pipeline_parallel_size: Pipeline stages (1 = none): encoder then decoder layers cut into contiguous stages,
+            one per process; batches split into ``microbatches`` that flow through them by ``pipeline_schedule``.
+            A pipeline trains and validates (the loss); ``test`` and ``predict`` decode on every process as data
+            parallel replicas, since beam search is one sequential loop a pipeline cannot keep busy. Its
+            checkpoints are sharded (``save_distributed_checkpoint: true``): each stage writes its own tensors.
+        pipeline_schedule: ``1f1b`` (at most ``pipeline_parallel_size`` micro-batches' activations alive per stage)
+            or ``gpipe`` (all forward passes, then all backward passes).
+        microbatches: Micro-batches per batch, at least ``pipeline_parallel_size``; the idle share of the pipeline is
+            ``(stages - 1) / (microbatches + stages - 1)``.
+
+    With tensor parallelism a checkpoint is one file of full tensors (``save_distributed_checkpoint: false``, as the
+    shipped TP configs set): torch.distributed.checkpoint cannot describe the head-split packed attention weight.
+    This strategy loads such a file by splitting every tensor the way its parameter is split; Lightning's loader
+    cuts contiguous blocks, which is wrong for that weight. Tensor and pipeline parallelism therefore do not combine
+    yet: one needs a single file, the other shards.
     """
 
-    @override
-    def setup_environment(self) -> None:
-        dp, tp = self._data_parallel_size, self._tensor_parallel_size
-        dp = self.num_nodes if dp == "auto" else dp
-        tp = self.num_processes if tp == "auto" else tp
+    def __init__(
+        self,
+        data_parallel_size: Literal["auto"] | int = "auto",
+        tensor_parallel_size: Literal["auto"] | int = "auto",
+        pipeline_parallel_size: int = 1,
+        pipeline_schedule: Schedule = "1f1b",
+        microbatches: int = 4,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            data_parallel_size, tensor_parallel_size, save_distributed_checkpoint, process_group_backend, timeout
+        )
+        self._pipeline_parallel_size = pipeline_parallel_size
+        self.pipeline = PipelineConfig(pipeline_schedule, microbatches)
+
+    def _sizes(self, fitting: bool) -> tuple[int, int, int]:
+        """``(data_parallel, pipeline_parallel, tensor_parallel)``, checked against the processes in one line. Outside
+        ``fit`` a pipeline's processes are data-parallel replicas of the whole model, on any number of devices."""
+        dp, tp, pp = self._data_parallel_size, self._tensor_parallel_size, self._pipeline_parallel_size
         world = self.num_nodes * self.num_processes
-        if dp * tp != world:
+        if pp > 1 and tp not in ("auto", 1):
             raise SetupError(
-                f"data_parallel_size={dp} x tensor_parallel_size={tp} must equal the {world} processes "
-                "(trainer.devices x trainer.num_nodes): set --trainer.strategy.init_args.data_parallel_size and "
-                "tensor_parallel_size to multiply out, or 'auto' (the nodes x the devices of one node)"
+                f"pipeline_parallel_size={pp} and tensor_parallel_size={tp} do not combine yet (a tensor-parallel "
+                "checkpoint is one file, a pipeline's one shard per stage): set one of them to 1"
+            )
+        if pp > 1 and not fitting:
+            return world, 1, 1
+        if pp < 1 or world % pp:
+            raise SetupError(
+                f"pipeline_parallel_size={pp} must divide the {world} processes (trainer.devices x trainer.num_nodes)"
+                ": choose a pipeline_parallel_size that divides them"
+            )
+        if tp == "auto":
+            tp = 1 if pp > 1 else self.num_processes
+        if dp == "auto":
+            dp = world // (pp * tp) if pp > 1 else self.num_nodes
+        if dp * pp * tp != world:
+            raise SetupError(
+                f"data_parallel_size={dp} x pipeline_parallel_size={pp} x tensor_parallel_size={tp} must equal the "
+                f"{world} processes (trainer.devices x trainer.num_nodes): set --trainer.strategy.init_args."
+                "data_parallel_size, pipeline_parallel_size and tensor_parallel_size to multiply out, or 'auto'"
             )
         if tp > 1 and self._save_distributed_checkpoint:
             raise SetupError(
@@ -289,13 +347,36 @@ class ModelParallelStrategy(_SafeFolders, _LightningModelParallelStrategy):
                 "has no layout for the head-split attention weight): set "
                 "--trainer.strategy.init_args.save_distributed_checkpoint false"
             )
-        super().setup_environment()
+        if pp > 1 and not self._save_distributed_checkpoint:
+            raise SetupError(
+                f"pipeline_parallel_size={pp} saves one shard per stage: set "
+                "--trainer.strategy.init_args.save_distributed_checkpoint true"
+            )
+        return dp, pp, tp
+
+    @override
+    def setup_environment(self) -> None:
+        fitting = self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        sizes = self._sizes(fitting)
+        self._setup_distributed()
+        self._device_mesh = init_device_mesh(
+            self.root_device.type, sizes, mesh_dim_names=(DATA_PARALLEL, PIPELINE_PARALLEL, TENSOR_PARALLEL)
+        )
+        self.lightning_module._device_mesh = self._device_mesh
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if not self._save_distributed_checkpoint:
+            return super().optimizer_state(optimizer)
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's own
+        return get_optimizer_state_dict(self.model, optimizer, options=_SHARDED)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
-        if path.is_dir():  # one shard per process: checked, then torch.distributed.checkpoint's own loader
-            return super().load_checkpoint(path, weights_only)
+        if path.is_dir():  # one shard per process: checked, then read by parameter name
+            check_checkpoint(path)
+            return self._load_sharded(path, weights_only)
         check_checkpoint(path)
         checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
         module = self.lightning_module
@@ -314,6 +395,26 @@ class ModelParallelStrategy(_SafeFolders, _LightningModelParallelStrategy):
             optimizer.load_state_dict(state)
         del checkpoint["state_dict"]
         return checkpoint
+
+    def _load_sharded(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
+        """A ``save_distributed_checkpoint`` folder into whatever this process holds (a pipeline stage, FSDP2 shards,
+        the whole model), by parameter name: weights, then the optimizer states (none outside fit)."""
+        module = self.lightning_module
+        state = {"state_dict": get_model_state_dict(module)}
+        for i, optimizer in enumerate(self.optimizers):
+            state[f"optimizer_{i}"] = get_optimizer_state_dict(module, optimizer, options=_SHARDED)
+        dcp.load(state, checkpoint_id=path)
+        module.load_state_dict(state["state_dict"], strict=module.strict_loading)
+        for i, optimizer in enumerate(self.optimizers):
+            set_optimizer_state_dict(module, optimizer, state[f"optimizer_{i}"], options=_SHARDED)
+        return torch.load(path / "meta.pt", weights_only=weights_only)
+
+
+# Sharded optimizer states keyed by parameter name, hyperparameters included ("param_groups.<name>.lr"), rather than by
+# group index and a list of names: each pipeline stage holds other parameters in its groups, and torch.distributed.
+# checkpoint keeps one copy of a key every rank writes. By name, a checkpoint also loads on another layout (one process,
+# other stage counts), as torchtitan saves them.
+_SHARDED = StateDictOptions(cpu_offload=True, flatten_optimizer_state_dict=True)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

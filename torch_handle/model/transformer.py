@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +16,21 @@ from torch_handle.model.kernels import check_backend
 from torch_handle.model.layers import DecoderLayer, EncoderLayer
 from torch_handle.model.masks import MaskSpec
 from torch_handle.model.positions import alibi_slopes, rope_angles, rope_inv_freq, sinusoidal_table
+
+
+class EncoderContext(NamedTuple):
+    """Inputs shared by every encoder layer."""
+
+    spec: MaskSpec
+    rope: tuple[Tensor, Tensor] | None
+
+
+class DecoderContext(NamedTuple):
+    """Inputs shared by every decoder layer."""
+
+    self_spec: MaskSpec
+    cross_spec: MaskSpec
+    rope: tuple[Tensor, Tensor] | None
 
 
 class DecoderCache:
@@ -146,22 +162,62 @@ class Transformer(nn.Module):
                 Those halo keys and values come from each self-attention's ``kv_hook``; see
                 :mod:`torch_handle.parallel.context`.
         """
+        x = self.embed_source(src, offset)
+        x = self.run_encoder(x, self.encoder_context(src, offset, halo_padding))
+        return self.finish_encoder(x, src)
+
+    # The pieces of ``encode`` and of teacher-forced ``decode``, public so that a pipeline stage
+    # (:mod:`torch_handle.parallel.pipeline`) runs a slice of the layers exactly as the whole model does.
+
+    def embed_source(self, src: Tensor, offset: int = 0) -> Tensor:
+        """Scaled source embeddings plus absolute positions, after dropout: the first encoder layer's input."""
+        return self._embed(src, self.src_embed, getattr(self, "src_pos", None), offset)
+
+    def embed_target(self, tgt: Tensor, offset: int = 0) -> Tensor:
+        """Scaled target embeddings plus absolute positions, after dropout: the first decoder layer's input."""
+        return self._embed(tgt, self.tgt_embed, getattr(self, "tgt_pos", None), offset)
+
+    def encoder_context(self, src: Tensor, offset: int = 0, halo_padding: Tensor | None = None) -> EncoderContext:
+        """What every encoder layer needs besides its input: the mask and the RoPE angles (see :meth:`encode`)."""
         c = self.config
-        pad = src == c.pad_id
         window = c.window if c.encoder_attention == "local" else None
         if halo_padding is None:
-            spec = MaskSpec(key_padding=pad, window=window, alibi=self._slopes)
+            spec = MaskSpec(key_padding=src == c.pad_id, window=window, alibi=self._slopes)
         else:
             assert window is not None, "halos exist under local attention only"
             spec = MaskSpec(key_padding=halo_padding, window=window, alibi=self._slopes, q_offset=window)
-        rope = self._rope(offset, src.shape[1], src.device)
-        x = self._embed(src, self.src_embed, getattr(self, "src_pos", None), offset)
-        for layer in self.encoder_layers:
-            x = self._run(layer, x, spec, rope)
+        return EncoderContext(spec, self._rope(offset, src.shape[1], src.device))
+
+    def run_encoder(self, x: Tensor, context: EncoderContext, layers: range | None = None) -> Tensor:
+        """Encoder layers ``layers`` (all by default) over ``x (B, S, C)``."""
+        for i in range(len(self.encoder_layers)) if layers is None else layers:
+            x = self._run(self.encoder_layers[i], x, context.spec, context.rope)
+        return x
+
+    def finish_encoder(self, x: Tensor, src: Tensor) -> Tensor:
+        """The last encoder layer's output made ``memory``: the final norm, then pooling (``cross_downsample``)."""
         x = self.encoder_norm(x)
-        if c.cross_downsample == 1:
+        if self.config.cross_downsample == 1:
             return x
-        return self._pool(x, pad)
+        return self._pool(x, src == self.config.pad_id)
+
+    def decoder_context(self, tgt: Tensor, memory_padding: Tensor, offset: int = 0) -> DecoderContext:
+        """What every decoder layer needs besides its input and ``memory``: masks and RoPE angles."""
+        return DecoderContext(
+            MaskSpec(causal=True, alibi=self._slopes, q_offset=offset),
+            MaskSpec(key_padding=memory_padding),
+            self._rope(offset, tgt.shape[1], tgt.device),
+        )
+
+    def run_decoder(self, x: Tensor, memory: Tensor, context: DecoderContext, layers: range | None = None) -> Tensor:
+        """Decoder layers ``layers`` (all by default) over ``x (B, T, C)``, teacher-forced (no cache)."""
+        for i in range(len(self.decoder_layers)) if layers is None else layers:
+            x = self._run(self.decoder_layers[i], x, memory, context.self_spec, context.cross_spec, context.rope)
+        return x
+
+    def logits(self, x: Tensor) -> Tensor:
+        """Next-token logits ``(B, T, V)`` of the last decoder layer's output."""
+        return self.lm_head(self.decoder_norm(x))
 
     def _pool(self, x: Tensor, pad: Tensor) -> Tensor:
         """Mask-aware average pooling: padding never enters a slot's mean."""
@@ -185,18 +241,14 @@ class Transformer(nn.Module):
         cross-attention keys and values are computed once and kept.
         """
         offset = 0 if cache is None else cache.length
-        x = self._embed(tgt, self.tgt_embed, getattr(self, "tgt_pos", None), offset)
-        self_spec = MaskSpec(causal=True, alibi=self._slopes, q_offset=offset)
-        cross_spec = MaskSpec(key_padding=memory_padding)
-        rope = self._rope(offset, tgt.shape[1], tgt.device)
+        x = self.embed_target(tgt, offset)
+        context = self.decoder_context(tgt, memory_padding, offset)
+        if cache is None:
+            return self.logits(self.run_decoder(x, memory, context))
         for i, layer in enumerate(self.decoder_layers):
-            if cache is None:
-                x = self._run(layer, x, memory, self_spec, cross_spec, rope)
-            else:
-                x = layer(x, memory, self_spec, cross_spec, rope, cache.layers[i], cache.capacity)
-        if cache is not None:
-            cache.length += tgt.shape[1]
-        return self.lm_head(self.decoder_norm(x))
+            x = layer(x, memory, context.self_spec, context.cross_spec, context.rope, cache.layers[i], cache.capacity)
+        cache.length += tgt.shape[1]
+        return self.logits(x)
 
     def forward(self, src: Tensor, tgt: Tensor) -> Tensor:
         """Teacher-forced logits ``(B, T, tgt_vocab_size)`` for ``src (B, S)`` and decoder input ``tgt (B, T)``."""

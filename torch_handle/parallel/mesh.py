@@ -10,6 +10,7 @@ from torch_handle.errors import SetupError
 # modules shard batches over the "data_parallel" dimension of the LightningModule's ``device_mesh``.
 DATA_PARALLEL = "data_parallel"
 TENSOR_PARALLEL = "tensor_parallel"
+PIPELINE_PARALLEL = "pipeline_parallel"
 CONTEXT_PARALLEL = "context_parallel"
 
 

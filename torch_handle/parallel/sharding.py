@@ -14,6 +14,7 @@ from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor, Shard
 
 from torch_handle.model import Transformer
+from torch_handle.parallel.pipeline import StageModule
 from torch_handle.parallel.tensor import HEADS
 
 
@@ -31,3 +32,15 @@ def apply_fully_shard(model: Transformer, mesh: DeviceMesh) -> Transformer:
     for method in ("encode", "decode"):  # evaluation and generation call these, not forward: gather the root there too
         register_fsdp_forward_method(model, method)
     return model
+
+
+def apply_fully_shard_stage(stage: StageModule, mesh: DeviceMesh) -> StageModule:
+    """Shards a pipeline stage (:mod:`torch_handle.parallel.pipeline`) over the data-parallel ``mesh``, in place: its
+    layers one by one, the stage as the root; the schedule reduces gradients once per batch, after its last
+    micro-batch."""
+    model = stage.model
+    for layer in (*model.encoder_layers, *model.decoder_layers):
+        if any(True for _ in layer.parameters()):  # the other stages' placeholders hold none
+            fully_shard(layer, mesh=mesh)
+    fully_shard(stage, mesh=mesh)
+    return stage

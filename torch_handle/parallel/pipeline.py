@@ -1,0 +1,305 @@
+"""Pipeline parallelism with PyTorch's ``torch.distributed.pipelining``: encoder stages, then decoder stages.
+
+The layers, encoder then decoder, are cut into ``pp`` contiguous stages of nearly equal size, as Megatron-LM splits
+T5; each process keeps its stage's layers and drops the rest. Activations cross a stage boundary as a pair: the
+encoder's hidden states and the embedded target while the encoder runs, then the encoder's output (``memory``) and
+the decoder's hidden states, because PyTorch's schedules carry no skip connection past a stage: every decoder stage
+needs ``memory`` for cross-attention. The first stage embeds both source and target (integer ids cannot cross a
+boundary with a gradient), and every stage receives the token ids too, as keyword arguments, to build its masks.
+
+Tied embeddings live on the first stage (lookup) and the last (output layer); :meth:`Pipeline.sync_tied_grads` adds
+their gradients before the optimizer step, as Megatron's embedding group does, so both copies stay equal.
+
+Shapes: a schedule's receive buffers are fixed by its first micro-batch, but token-budget batches vary, so each
+batch gets a stage and schedule built for its shapes from static metadata (no shape inference, no extra pass), and
+its rows are evened up to a multiple of the micro-batch count with filler rows (one end-of-sentence source token,
+an all-padding target) that add nothing to the loss or the gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+from torch.distributed.tensor import DTensor
+
+from torch_handle.errors import SetupError
+from torch_handle.model import Transformer
+
+Schedule = Literal["gpipe", "1f1b"]
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """How a batch flows through the stages.
+
+    Args:
+        schedule: ``gpipe`` runs every micro-batch's forward pass, then every backward pass (activations of all
+            micro-batches alive at once); ``1f1b`` alternates them once the pipeline is full, holding at most ``pp``
+            micro-batches' activations per stage.
+        microbatches: Micro-batches per batch (at least the number of stages, or stages sit idle): the pipeline's
+            idle share is ``(pp - 1) / (microbatches + pp - 1)``.
+    """
+
+    schedule: Schedule = "1f1b"
+    microbatches: int = 4
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """The layers one stage runs: ``encoder`` and ``decoder`` index ranges (either may be empty)."""
+
+    index: int
+    stages: int
+    encoder: range
+    decoder: range
+    num_encoder_layers: int
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.stages - 1
+
+    @property
+    def finishes_encoder(self) -> bool:
+        """The encoder's last layer is here, so are its final norm and pooling."""
+        return bool(self.encoder) and self.encoder.stop == self.num_encoder_layers
+
+    @property
+    def receives_memory(self) -> bool:
+        """The pair this stage receives is ``(memory, decoder states)``, not ``(encoder states, target embeddings)``."""
+        return not self.first and not self.encoder
+
+    @property
+    def sends_memory(self) -> bool:
+        return self.finishes_encoder or self.receives_memory
+
+
+def plan_stages(num_encoder_layers: int, num_decoder_layers: int, stages: int) -> list[StagePlan]:
+    """Contiguous runs of the ``E + D`` layers, sizes differing by at most one, earlier stages the longer.
+
+    Raises:
+        SetupError: More stages than layers.
+    """
+    total = num_encoder_layers + num_decoder_layers
+    if stages > total:
+        raise SetupError(
+            f"pipeline_parallel_size={stages} exceeds the {total} encoder and decoder layers: every stage needs one; "
+            "choose a pipeline_parallel_size of at most the layer count"
+        )
+    plans, start = [], 0
+    for index in range(stages):
+        stop = start + total // stages + (index < total % stages)
+        encoder = range(min(start, num_encoder_layers), min(stop, num_encoder_layers))
+        decoder = range(
+            max(start, num_encoder_layers) - num_encoder_layers, max(stop, num_encoder_layers) - num_encoder_layers
+        )
+        plans.append(StagePlan(index, stages, encoder, decoder, num_encoder_layers))
+        start = stop
+    return plans
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous: the gradient of a received activation is sent back to
+    the previous stage, and gloo refuses a non-contiguous tensor (the carried ``memory``'s gradient can be one)."""
+
+    @staticmethod
+    def forward(ctx: object, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: object, grad: Tensor) -> Tensor:
+        return grad.contiguous()
+
+
+class StageModule(nn.Module):
+    """One stage of the pipeline over a :class:`~torch_handle.model.Transformer` whose other stages' layers were
+    dropped: ``forward(*carried, src, tgt)`` returns the pair for the next stage, or logits on the last."""
+
+    def __init__(self, model: Transformer, plan: StagePlan) -> None:
+        super().__init__()
+        self.model = model
+        self.plan = plan
+
+    def forward(self, *carried: Tensor, src: Tensor, tgt: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+        m, plan = self.model, self.plan
+        if plan.first:
+            x, y = m.embed_source(src), m.embed_target(tgt)
+        else:
+            x, y = (_ContiguousGrad.apply(t) for t in carried)
+        if plan.encoder:
+            x = m.run_encoder(x, m.encoder_context(src), plan.encoder)
+        if plan.finishes_encoder:
+            x = m.finish_encoder(x, src)  # now memory
+        if plan.decoder:
+            y = m.run_decoder(y, x, m.decoder_context(tgt, m.memory_padding(src)), plan.decoder)
+        if plan.last:
+            return m.logits(y)
+        return x, y
+
+
+def _drop_other_stages(model: Transformer, plan: StagePlan) -> None:
+    """Replaces the layers of other stages by parameter-free placeholders (indices, hence names, stay) and drops the
+    embeddings, norms and output layer this stage never runs."""
+    for i in set(range(len(model.encoder_layers))) - set(plan.encoder):
+        model.encoder_layers[i] = nn.Identity()
+    for i in set(range(len(model.decoder_layers))) - set(plan.decoder):
+        model.decoder_layers[i] = nn.Identity()
+    keep = {
+        "src_embed": plan.first,
+        "src_pos": plan.first,
+        "tgt_pos": plan.first,
+        # The target table: looked up on the first stage, and the output layer's weight on the last when tied.
+        "tgt_embed": plan.first or (plan.last and model.config.tie_embeddings),
+        "lm_head": plan.last,
+        "encoder_norm": plan.finishes_encoder,
+        "decoder_norm": plan.last,
+    }
+    for name, kept in keep.items():
+        if not kept and getattr(model, name, None) is not None:
+            setattr(model, name, None)
+
+
+class Pipeline:
+    """This process's stage of the model on the ``pipeline_parallel`` mesh dimension, and the schedule that runs
+    a batch through all stages. Made by :func:`apply_pipeline_parallel`."""
+
+    def __init__(self, stage: StageModule, mesh: DeviceMesh, config: PipelineConfig) -> None:
+        self.stage, self.plan, self.config = stage, stage.plan, config
+        self.model: Transformer = stage.model
+        self.group = mesh.get_group()
+        self.tied = self.model.config.tie_embeddings and self.plan.stages > 1
+
+    @property
+    def is_last(self) -> bool:
+        return self.plan.last
+
+    def even_rows(self, src: Tensor, tgt: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The batch with filler rows up to a multiple of the micro-batches: a one-token source (end of sentence),
+        an all-padding target; they change no other row and add nothing to the loss or its gradients."""
+        c, n = self.model.config, self.config.microbatches
+        extra = -src.shape[0] % n
+        if not extra:
+            return src, tgt, labels
+        filler = src.new_full((extra, src.shape[1]), c.pad_id)
+        filler[:, 0] = c.eos_id
+        pad = tgt.new_full((extra, tgt.shape[1]), c.pad_id)
+        return torch.cat((src, filler)), torch.cat((tgt, pad)), torch.cat((labels, pad))
+
+    def _schedule(
+        self, src: Tensor, tgt: Tensor, loss_fn: Callable[[Tensor, Tensor], Tensor], backward: bool
+    ) -> PipelineScheduleSingle:
+        """A stage and schedule for this batch's shapes, from static metadata (gradients' shapes are the
+        activations')."""
+        c, plan = self.model.config, self.plan
+        rows, n = src.shape[0] // self.config.microbatches, self.config.microbatches
+        dtype = next(self.stage.parameters()).dtype
+        meta = torch.device("meta")
+        memory_len = -(-src.shape[1] // c.cross_downsample)
+
+        def pair(decoding: bool) -> tuple[Tensor, Tensor]:
+            x_len = memory_len if decoding else src.shape[1]
+            return (
+                torch.empty(rows, x_len, c.d_model, dtype=dtype, device=meta, requires_grad=backward),
+                torch.empty(rows, tgt.shape[1], c.d_model, dtype=dtype, device=meta, requires_grad=backward),
+            )
+
+        inputs = () if plan.first else pair(plan.receives_memory)
+        outputs = (
+            torch.empty(rows, tgt.shape[1], c.tgt_vocab_size, dtype=dtype, device=meta, requires_grad=backward)
+            if plan.last
+            else pair(plan.sends_memory)
+        )
+        stage = PipelineStage(
+            self.stage, plan.index, plan.stages, src.device, input_args=inputs, output_args=outputs, group=self.group
+        )
+        return SCHEDULES[self.config.schedule](stage, n, loss_fn=loss_fn, scale_grads=False)
+
+    def step(self, src: Tensor, tgt: Tensor, labels: Tensor, loss_fn: Callable[[Tensor, Tensor], Tensor]) -> None:
+        """Forward and backward of every micro-batch; ``loss_fn(logits, labels)`` of each is what it backpropagates
+        (sum-reduced: gradients are not divided by the micro-batch count). Gradients accumulate into ``.grad``."""
+        src, tgt, labels = self.even_rows(src, tgt, labels)
+        # A schedule's FSDP2 stage overwrites the sharded gradients that an earlier step left (its reduce-scatter does
+        # not add to them, measured with torch 2.13): set them aside and add them back, for gradient accumulation.
+        params = [p for p in self.stage.parameters() if p.grad is not None]
+        earlier = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        self._schedule(src, tgt, loss_fn, backward=True).step(target=labels, src=src, tgt=tgt)
+        for p, grad in zip(params, earlier):
+            p.grad = grad if p.grad is None else p.grad + grad
+
+    def eval(self, src: Tensor, tgt: Tensor, labels: Tensor, loss_fn: Callable[[Tensor, Tensor], Tensor]) -> None:
+        """Forward passes only, ``loss_fn`` called on each micro-batch's logits on the last stage."""
+        src, tgt, labels = self.even_rows(src, tgt, labels)
+        self._schedule(src, tgt, loss_fn, backward=False).eval(target=labels, src=src, tgt=tgt)
+
+    def from_last_stage(self, values: Tensor) -> Tensor:
+        """``values`` as the last stage holds them, on every stage (the others pass zeros)."""
+        values = values if self.is_last else torch.zeros_like(values)
+        dist.all_reduce(values, group=self.group)
+        return values
+
+    def _tied(self) -> nn.Parameter | None:
+        """This stage's copy of the tied embedding: on the first stage (lookup) and the last (output layer)."""
+        if not self.tied or not (self.plan.first or self.plan.last):
+            return None
+        return self.model.tgt_embed.weight
+
+    def sync_tied_grads(self) -> None:
+        """Adds the tied embedding's gradients of the first stage and the last, as the whole model's single parameter
+        would have them (Megatron's embedding group). Middle stages join the collective with zeros."""
+        if not self.tied:
+            return
+        weight = self._tied()
+        if weight is None:
+            c = self.model.config
+            grad = torch.zeros(c.tgt_vocab_size, c.d_model, device=next(self.stage.parameters()).device)
+        else:
+            if weight.grad is None:
+                weight.grad = torch.zeros_like(weight)
+            grad = weight.grad
+        dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self.group)
+
+    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+        """Clips every stage's gradients by their norm over the whole model, the tied weight counted once."""
+        params = [p for p in self.stage.parameters() if p.grad is not None]
+        duplicate = self._tied() if self.plan.last and not self.plan.first else None
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p is not duplicate], foreach=True)
+        if isinstance(norm, DTensor):  # sharded by FSDP2: the norm over the data-parallel shards
+            norm = norm.full_tensor()
+        squared = norm.float() ** 2
+        dist.all_reduce(squared, group=self.group)
+        total = squared.sqrt()
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+        return total
+
+
+def apply_pipeline_parallel(model: Transformer, mesh: DeviceMesh, config: PipelineConfig) -> StageModule:
+    """Keeps this process's stage of ``model`` on the 1-D ``mesh`` (in place: the other stages' layers are dropped)
+    and returns it as a module whose ``forward`` is the stage's; shard it further, then wrap it in a
+    :class:`Pipeline`.
+
+    Raises:
+        SetupError: More stages than layers, or fewer micro-batches than stages.
+    """
+    if config.microbatches < mesh.size():
+        raise SetupError(
+            f"microbatches={config.microbatches} is fewer than the {mesh.size()} pipeline stages, which would sit "
+            "idle: set --trainer.strategy.init_args.microbatches to at least pipeline_parallel_size"
+        )
+    c = model.config
+    plan = plan_stages(c.num_encoder_layers, c.num_decoder_layers, mesh.size())[mesh.get_local_rank()]
+    _drop_other_stages(model, plan)
+    return StageModule(model, plan)
