@@ -61,7 +61,12 @@ CASES = {
     "pp": ("pp", []),
 }
 WORLD = 2
-MODEL = {"d_model": 512, "num_heads": 8, "num_encoder_layers": 4, "num_decoder_layers": 4, "d_ff": 2048}
+MODELS = {
+    "31m": {"d_model": 512, "num_heads": 8, "num_encoder_layers": 4, "num_decoder_layers": 4, "d_ff": 2048},
+    # issue 13's ~400M configuration (issue 15's sizes; the demo's 1000-token vocabulary, not 32k)
+    "400m": {"d_model": 1024, "num_heads": 16, "num_encoder_layers": 12, "num_decoder_layers": 12, "d_ff": 4096},
+}
+SECTIONS = {"31m": "bench_strategies", "400m": "bench_strategies_400m"}  # RESULTS.md sections
 # fp32 bytes per parameter held by one rank of N: 4 params + 4 grads + 8 Adam (m, v), each sharded or not.
 # Tensor parallelism splits a fraction f of the parameters (the layers' matrices) and replicates the rest; a pipeline
 # stage holds a share s of them (its layers, and the embeddings or output layer it runs).
@@ -184,12 +189,37 @@ def model_state_bytes(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[
     return parts
 
 
+class _SavedActivations:
+    """Bytes of the distinct storages autograd keeps for the backward pass while active, the module's parameters
+    (also as FSDP gathers or DTensor shards them) left out: the activations a rank holds for backward."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.storages: dict[int, int] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        params = {_local(p).untyped_storage().data_ptr() for p in self.module.parameters()}
+        storage = _local(tensor).untyped_storage()
+        if storage.data_ptr() not in params:
+            self.storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    def __enter__(self) -> _SavedActivations:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
+
+
 class StrategyProbe(Callback):
     """Records step times, model-state bytes and peak RSS of this rank into ``{root}/probe.rank{R}.json``."""
 
     def __init__(self) -> None:
         self.record: dict[str, Any] = {"wall": [], "cpu": []}
         self._start = (0.0, 0.0)
+        self._saved: _SavedActivations | None = None
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -197,7 +227,18 @@ class StrategyProbe(Callback):
 
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
+        # The step whose model state is measured; not in a pipeline, whose micro-batches' saved tensors come and go
+        # inside its schedule (a sum of them would overstate, and freed storages are reused).
+        if trainer.global_step == 1 and getattr(pl_module, "_pipeline", None) is None:
+            self._saved = _SavedActivations(pl_module).__enter__()
         self._start = (time.perf_counter(), time.process_time())
+
+    @override
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+        if self._saved is not None:
+            self._saved.__exit__(None, None, None)
+            self.record["activations"] = sum(self._saved.storages.values())
+            self._saved = None
 
     @override
     def on_before_optimizer_step(
@@ -227,10 +268,10 @@ class StrategyProbe(Callback):
         path.write_text(json.dumps(self.record))
 
 
-def run_case(case: str, root: Path, steps: int, max_tokens: int, timeout: float) -> list[dict[str, Any]]:
+def run_case(case: str, root: Path, steps: int, max_tokens: int, timeout: float, size: str) -> list[dict[str, Any]]:
     """Trains with the case's ``configs/STRATEGY.yaml`` on two CPU processes; returns each rank's probe record."""
     strategy, extra = CASES[case]
-    model = [f"--model.transformer.{key}={value}" for key, value in MODEL.items()]
+    model = [f"--model.transformer.{key}={value}" for key, value in MODELS[size].items()]
     command = [
         sys.executable, "cli.py", "fit",
         "--config", f"configs/{strategy}.yaml",
@@ -282,6 +323,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (at least 2)")
     parser.add_argument("--max-tokens", type=int, default=512, help="padded tokens per batch per rank")
     parser.add_argument("--timeout", type=float, default=300, help="seconds for one strategy's run")
+    parser.add_argument("--size", choices=list(MODELS), default="31m", help="the model (its own RESULTS.md section)")
     parser.add_argument("--no-write", action="store_true", help="print the section instead of writing RESULTS.md")
     args = parser.parse_args()
     assert args.warmup >= 2, "the model state is measured at the second step"
@@ -292,7 +334,8 @@ def main() -> None:
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="bench_strategies-") as tmp:
         for index, strategy in enumerate(cases):
-            ranks = run_case(strategy, Path(tmp) / str(index), args.warmup + args.steps, args.max_tokens, args.timeout)
+            steps = args.warmup + args.steps
+            ranks = run_case(strategy, Path(tmp) / str(index), steps, args.max_tokens, args.timeout, args.size)
             # A step ends when the slower rank ends it: take the slower rank's time per step.
             wall = [max(r["wall"][i] for r in ranks) for i in range(args.warmup, args.warmup + args.steps)]
             cpu = [max(r["cpu"][i] for r in ranks) for i in range(args.warmup, args.warmup + args.steps)]
@@ -304,6 +347,7 @@ def main() -> None:
                 "parameters": ranks[0]["parameters"],
                 "split_fraction": ranks[0]["split_fraction"],
                 "held_fraction": [r["held_fraction"] for r in ranks],
+                "activations": [r.get("activations") for r in ranks],
             }
             log.info("%s: median step %.2f s, peak RSS %s MiB", strategy, results[strategy]["wall"],
                      " / ".join(_mib(b) for b in results[strategy]["peak_rss"]))  # fmt: skip
@@ -311,6 +355,7 @@ def main() -> None:
 
     parameters = next(iter(results.values()))["parameters"]
     base = results.get("ddp")
+    base_memory = base["state"][0]["total"] + base["activations"][0] if base else 0
     timing_rows, state_rows = [], []
     for strategy, result in results.items():
         rss = result["peak_rss"]
@@ -333,6 +378,7 @@ def main() -> None:
         state = result["state"][held]
         config = CASES[strategy][0]
         fraction = result["held_fraction"][held] if config == "pp" else result["split_fraction"]
+        activations = result["activations"][held]
         label, formula = FP32_FORMULA[config]
         ds_label, ds_formula = DEEPSPEED_FORMULA.get(config, ("", None))
         state_rows.append(
@@ -346,16 +392,19 @@ def main() -> None:
                 f"{ds_label} = {ds_formula(WORLD):.1f}" if ds_formula else "",
                 MIXED_FORMULA[config],
                 f"{state['total'] / base['state'][0]['total']:.2f}" if base else "",
+                _mib(activations) if activations is not None else "",
+                f"{(state['total'] + activations) / base_memory:.2f}" if base and activations is not None else "",
                 _mib(state["all_live_tensors"]),
             ]
         )
 
     command = f"python benchmarks/bench_strategies.py --steps {args.steps} --warmup {args.warmup}"
-    command += f" --max-tokens {args.max_tokens}"
-    model = MODEL
+    command += f" --max-tokens {args.max_tokens}" + (f" --size {args.size}" if args.size != "31m" else "")
+    command += "".join(f" --case '{case}'" for case in args.case or [])
+    model = MODELS[args.size]
     body = "\n\n".join(
         [
-            "## bench_strategies: DDP, ZeRO-1/2/3, FSDP, tensor and pipeline parallelism on two CPU processes",
+            f"## bench_strategies: strategies on two CPU processes, {parameters / 1e6:.0f}M parameters",
             f"Command: `{command}`. {start_line}",
             f"`python cli.py fit --config configs/STRATEGY.yaml` with {WORLD} processes (gloo, one intra-op thread "
             f"each) on the built-in demo data, {args.max_tokens} padded tokens per batch per rank; model "
@@ -402,8 +451,11 @@ def main() -> None:
             "decoder on rank 1, 4 micro-batches by 1F1B) holds a share s of the parameters, its layers and the "
             "embeddings or output layer it runs (the tied embedding on both): 16 s. The mixed-precision column is "
             "the ZeRO paper's (2-byte parameters and gradients, 12 bytes of fp32 master, m and v), for "
-            "comparison only: it does not apply to these runs. `all live tensors` counts every tensor alive in "
-            "the rank's Python heap (the batch and activations of the step included), a cross-check on the total.",
+            "comparison only: it does not apply to these runs. Activations are the bytes of the distinct storages "
+            "autograd keeps for the backward pass of the measured step, parameters left out (also as FSDP gathers or "
+            "tensor parallelism splits them); not measured in a pipeline, whose micro-batches' tensors come and go "
+            "inside its schedule. `all live tensors` counts every tensor alive in the rank's Python heap (the batch "
+            "and activations of the step included), a cross-check on the total.",
             common.markdown_table(
                 [
                     "strategy",
@@ -414,6 +466,8 @@ def main() -> None:
                     f"what DeepSpeed keeps in fp32 (N={WORLD})",
                     "mixed-precision formula",
                     "state / DDP",
+                    "activations kept for backward (MiB)",
+                    "state + activations / DDP",
                     "all live tensors (MiB)",
                 ],
                 state_rows,
@@ -423,7 +477,7 @@ def main() -> None:
     if args.no_write:
         print(body)
     else:
-        common.write_section("bench_strategies", body)
+        common.write_section(SECTIONS[args.size], body)
         log.info("wrote the bench_strategies section of %s", common.RESULTS)
 
 

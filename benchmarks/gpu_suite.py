@@ -1,0 +1,103 @@
+"""Every GPU path in one command (issue 15): bf16 tests, each strategy end to end, 400M throughput and MFU, the 32k
+model, decoding; every figure written as Markdown, the device named.
+
+    python benchmarks/gpu_suite.py --out "$OUT"                     # on one H100/H200, under 9 minutes
+    python benchmarks/gpu_suite.py --dry-run --out /tmp/suite       # on CPU with tiny sizes (CI runs this)
+
+Each step runs in its own process under a time limit (a CUDA out-of-memory or a hang ends that step only) and
+writes ``OUT/STEP.json``; the parent gathers them into ``OUT/gpu_suite.md``, prints it, and exits 1 if a step
+failed. ``--dry-run`` runs the same code on the CPU, fp32, tiny models and lengths, so that the suite cannot rot
+between the sessions that have a GPU. The steps (:mod:`gpu_steps`):
+
+- ``gpu_tests``: ``pytest -m gpu`` (bf16 SDPA/flex/xformers against naive, full and local, every position type,
+  bf16 gradients); on a CPU they skip.
+- ``strategies``: the demo config with each strategy config on one device in ``bf16-mixed``: fit 6 steps, resume
+  from step 3, export, predict from the export.
+- ``throughput``: the ~400M encoder-decoder (d 1024, 16 heads, 12+12 layers, d_ff 4096, vocabulary 32k) at 2,048
+  source and 2,048 target tokens, through Seq2SeqModule and ``lightning.Trainer``: tokens/s, MFU by the
+  encoder-decoder FLOPs formula (checked against ``FlopCounterMode``), peak memory, and the same step in a plain
+  PyTorch loop (Lightning's overhead).
+- ``long``: ``summarization_32k``'s model, one training step at 32,768 source tokens, flex against the blocked SDPA
+  kernel; then the longest source that fits, doubling.
+- ``decoding``: greedy with the key/value cache against recomputing the prefix at 256 new tokens; beam-4
+  sentences/s on Multi30k-sized sources.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from common import markdown_table
+
+ROOT = Path(__file__).resolve().parents[1]
+# step -> seconds it may take on the GPU (the whole suite: 9 minutes, start-up included) and in a dry run
+LIMITS = {
+    "gpu_tests": (45, 120),
+    "strategies": (300, 400),  # 6 configs x 4 launches
+    "throughput": (90, 120),
+    "long": (75, 120),
+    "decoding": (30, 60),
+}
+
+
+def run_step(step: str, out: Path, dry_run: bool) -> dict[str, Any]:
+    """``python benchmarks/gpu_steps.py STEP`` in a fresh process; its JSON, or why there is none."""
+    limit = LIMITS[step][1 if dry_run else 0]
+    command = [sys.executable, str(ROOT / "benchmarks" / "gpu_steps.py"), step, str(out / f"{step}.json")]
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    start = time.perf_counter()
+    try:
+        run = subprocess.run(
+            [*command, *(["--dry-run"] if dry_run else [])],
+            cwd=ROOT,
+            env=env,  # the checkout need not be installed
+            capture_output=True,
+            text=True,
+            timeout=limit,
+        )
+    except subprocess.TimeoutExpired:
+        return {"step": step, "ok": False, "error": f"over its {limit} s limit", "seconds": limit}
+    seconds = time.perf_counter() - start
+    (out / f"{step}.log").write_text(run.stdout + run.stderr)
+    if run.returncode or not (out / f"{step}.json").exists():
+        tail = (run.stderr.strip().splitlines() or [f"exit {run.returncode}"])[-1]
+        return {"step": step, "ok": False, "error": f"exit {run.returncode}: {tail}", "seconds": seconds}
+    return {**json.loads((out / f"{step}.json").read_text()), "seconds": seconds}
+
+
+def report(results: list[dict[str, Any]], dry_run: bool) -> str:
+    """Markdown: one line on the device, then each step's tables (or its error)."""
+    device = next((r["device"] for r in results if r.get("device")), "unknown device")
+    lines = [f"# GPU suite{' (dry run on CPU: tiny sizes, not figures)' if dry_run else ''}", f"Device: {device}."]
+    for r in results:
+        status = "passed" if r["ok"] else f"FAILED: {r['error']}"
+        lines.append(f"## {r['step']}: {status} ({r['seconds']:.0f} s)")
+        for table in r.get("tables", []):
+            lines.append(table["title"])
+            lines.append(markdown_table(table["header"], table["rows"]))
+    return "\n\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="folder for gpu_suite.md and each step's JSON and log")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, fp32, tiny sizes: checks the code, not the GPU")
+    parser.add_argument("--step", choices=list(LIMITS), action="append", help="default: every step")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = [run_step(step, args.out, args.dry_run) for step in args.step or LIMITS]
+    text = report(results, args.dry_run)
+    (args.out / "gpu_suite.md").write_text(text)
+    print(text)
+    return 0 if all(r["ok"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""``benchmarks/gpu_suite.py --dry-run`` runs every step of the GPU suite on the CPU at tiny sizes, so that the one
+command a GPU session spends its device time on cannot rot between the sessions that have a GPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import ROOT, env
+
+STEPS = ["gpu_tests", "strategies", "throughput", "long", "decoding"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_dry_run_passes_every_step_and_writes_its_tables(tmp_path: Path) -> None:
+    command = [sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py"), "--dry-run", "--out", str(tmp_path)]
+    run = subprocess.run(command, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=850)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-3000:]
+    report = (tmp_path / "gpu_suite.md").read_text()
+    assert report == run.stdout.removesuffix("\n")  # printed as written
+    for step in STEPS:
+        result = json.loads((tmp_path / f"{step}.json").read_text())
+        assert result["ok"] and result["device"].startswith("CPU "), result
+        assert f"## {step}: passed" in report
+    strategies = json.loads((tmp_path / "strategies.json").read_text())["tables"][0]["rows"]
+    assert [row[0] for row in strategies] == ["ddp", "zero2"] and all(row[-1] == "passed" for row in strategies)
+    throughput = json.loads((tmp_path / "throughput.json").read_text())["tables"][0]
+    assert "FlopCounterMode counted" in throughput["title"] and len(throughput["rows"]) == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the step must fail: it asks for a GPU that is absent")
+def test_a_failing_step_is_reported_and_fails_the_suite(tmp_path: Path) -> None:
+    """A step that raises is one FAILED line with its error, and the suite exits 1 (the others still run)."""
+    command = [sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py"), "--step", "decoding", "--out", str(tmp_path)]
+    run = subprocess.run(command, cwd=ROOT, env=env(CUDA_VISIBLE_DEVICES=""), capture_output=True, text=True)
+    assert run.returncode == 1
+    assert "## decoding: FAILED: exit 1: " in run.stdout
