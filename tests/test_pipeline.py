@@ -181,8 +181,8 @@ def test_stages_that_do_not_divide_the_processes_are_one_line(tmp_path: Path) ->
 def test_tensor_and_pipeline_parallelism_together_is_one_line(tmp_path: Path) -> None:
     run = cli(_pp_args(tmp_path, 2, "--trainer.strategy.init_args.tensor_parallel_size", "2"))
     assert run.returncode != 0 and run.stderr.strip().splitlines()[-1] == (
-        "error: pipeline_parallel_size=2 and tensor_parallel_size=2 do not combine yet (a tensor-parallel checkpoint "
-        "is one file, a pipeline's one shard per stage): set one of them to 1"
+        "error: pipeline_parallel_size=2 and tensor_parallel_size=2 do not combine yet (a pipeline stage is not "
+        "split by heads): set one of them to 1"
     )
 
 

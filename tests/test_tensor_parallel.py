@@ -97,12 +97,17 @@ def _tp_args(root: Path, devices: int, *extra: str) -> list[str]:
     )  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def tp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The shipped tensor-parallel config on two processes, dropout on (0.1), a checkpoint every 2 steps."""
-    root = tmp_path_factory.mktemp("tp-run")
-    check(cli(_tp_args(root, 2, "--model.transformer.dropout", "0.1")))
-    return root
+CHECKPOINTS = {"sharded": [], "one file": ["--trainer.strategy.init_args.save_distributed_checkpoint", "false"]}
+
+
+@pytest.fixture(scope="module", params=list(CHECKPOINTS))
+def tp_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
+    """The shipped tensor-parallel config on two processes, dropout on (0.1), a checkpoint every 2 steps: a folder of
+    one shard per process (the config's), or one file gathered on rank 0."""
+    root, extra = tmp_path_factory.mktemp("tp-run"), CHECKPOINTS[request.param]
+    check(cli(_tp_args(root, 2, "--model.transformer.dropout", "0.1", *extra)))
+    assert (root / "checkpoints" / "last.ckpt").is_dir() == (request.param == "sharded")
+    return root, extra
 
 
 @pytest.mark.slow
@@ -117,6 +122,11 @@ def test_two_tensor_parallel_processes_train_as_one(tmp_path: Path) -> None:
     assert_weights_close(want, got)
     step2 = checkpoint_weights(tmp_path / "one", "epoch=0-step=2.ckpt")
     assert any(not torch.equal(got[name], w) for name, w in step2.items())
+    # The two processes' sharded checkpoint of step 2 continues on one process (weights and AdamW moments by heads
+    # into whole tensors) and ends there too.
+    checkpoint = tmp_path / "two" / "checkpoints" / "epoch=0-step=2.ckpt"
+    check(cli(_tp_args(tmp_path / "continued", 1, "--ckpt_path", str(checkpoint))))
+    assert_weights_close(want, checkpoint_weights(tmp_path / "continued"))
 
 
 @pytest.mark.slow
@@ -130,12 +140,13 @@ def test_fsdp2_across_tensor_parallel_pairs_trains_as_one_process(tmp_path: Path
 
 
 @pytest.mark.slow
-def test_a_tensor_parallel_run_resumes_exactly(tp_run: Path, tmp_path: Path) -> None:
+def test_a_tensor_parallel_run_resumes_exactly(tp_run: tuple[Path, list[str]], tmp_path: Path) -> None:
     """Resumed from step 2 (weights and AdamW state split back by heads, every rank's random state restored), it
     ends bit for bit as the uninterrupted run."""
-    checkpoint = tp_run / "checkpoints" / "epoch=0-step=2.ckpt"
-    check(cli(_tp_args(tmp_path, 2, "--model.transformer.dropout", "0.1", "--ckpt_path", str(checkpoint))))
-    want, got = checkpoint_weights(tp_run), checkpoint_weights(tmp_path)
+    root, extra = tp_run
+    checkpoint = root / "checkpoints" / "epoch=0-step=2.ckpt"
+    check(cli(_tp_args(tmp_path, 2, "--model.transformer.dropout", "0.1", "--ckpt_path", str(checkpoint), *extra)))
+    want, got = checkpoint_weights(root), checkpoint_weights(tmp_path)
     for name in want:
         assert torch.equal(got[name], want[name]), name
 
@@ -146,16 +157,5 @@ def test_a_mesh_that_does_not_multiply_out_is_one_line(tmp_path: Path) -> None:
         "error: data_parallel_size=2 x pipeline_parallel_size=1 x tensor_parallel_size=2 must equal the 2 processes "
         "(trainer.devices x trainer.num_nodes): set --trainer.strategy.init_args.data_parallel_size, "
         "pipeline_parallel_size and tensor_parallel_size to multiply out, or 'auto'"
-    )
-    assert not (tmp_path / "checkpoints").exists()
-
-
-def test_sharded_checkpoints_under_tensor_parallelism_are_one_line(tmp_path: Path) -> None:
-    """Refused before training: torch.distributed.checkpoint would fail at the first save, steps later."""
-    run = cli(_tp_args(tmp_path, 2, "--trainer.strategy.init_args.save_distributed_checkpoint", "true"))
-    assert run.returncode != 0 and run.stderr.strip().splitlines()[-1] == (
-        "error: save_distributed_checkpoint=true cannot save tensor-parallel weights (torch.distributed.checkpoint "
-        "has no layout for the head-split attention weight): set "
-        "--trainer.strategy.init_args.save_distributed_checkpoint false"
     )
     assert not (tmp_path / "checkpoints").exists()

@@ -117,12 +117,15 @@ def _lightning_state(path: Path) -> dict[str, Any]:
         return deepspeed_state(path)
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+    from torch_handle.parallel.layout import from_heads_layout
+
     with tempfile.TemporaryDirectory() as tmp:
         dcp_to_torch_save(path, Path(tmp) / "full.pt")
         checkpoint = torch.load(Path(tmp) / "full.pt", map_location="cpu", weights_only=True)
     meta = path / "meta.pt"  # Lightning's FSDP strategy keeps the non-tensor fields beside the shards
     extra = torch.load(meta, map_location="cpu", weights_only=True) if meta.is_file() else {}
-    return {**extra, **checkpoint, "state_dict": checkpoint.get("model", checkpoint.get("state_dict", {}))}
+    state_dict = from_heads_layout(checkpoint.get("model", checkpoint.get("state_dict", {})))
+    return {**extra, **checkpoint, "state_dict": state_dict}
 
 
 def _config_and_tokenizer(path: Path, state: dict[str, Any]) -> tuple[TransformerConfig, str]:

@@ -221,8 +221,8 @@ class Seq2SeqModule(L.LightningModule):
                 f"{type(self.trainer.strategy).__name__} brings another: use it with strategy ddp, fsdp or "
                 "deepspeed, or set --model.context_parallel 1"
             )
-        pipeline = getattr(self.trainer.strategy, "pipeline", None)
         if mesh is not None and PIPELINE_PARALLEL in mesh.mesh_dim_names and mesh[PIPELINE_PARALLEL].size() > 1:
+            pipeline = self.trainer.strategy.pipeline  # torch_handle.strategies.ModelParallelStrategy's
             every = self.hparams.generate_every_n_val_epochs
             if every:
                 raise SetupError(

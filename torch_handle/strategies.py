@@ -54,6 +54,7 @@ from torch_handle.checkpoints import (
 )
 from torch_handle.errors import SetupError
 from torch_handle.parallel import DATA_PARALLEL, PIPELINE_PARALLEL, TENSOR_PARALLEL, PipelineConfig
+from torch_handle.parallel.layout import as_heads, is_packed, packed_names, to_heads_layout
 from torch_handle.parallel.pipeline import Schedule
 
 
@@ -290,11 +291,12 @@ class ModelParallelStrategy(_SafeFolders, _LightningModelParallelStrategy):
         microbatches: Micro-batches per batch, at least ``pipeline_parallel_size``; the idle share of the pipeline is
             ``(stages - 1) / (microbatches + stages - 1)``.
 
-    With tensor parallelism a checkpoint is one file of full tensors (``save_distributed_checkpoint: false``, as the
-    shipped TP configs set): torch.distributed.checkpoint cannot describe the head-split packed attention weight.
-    This strategy loads such a file by splitting every tensor the way its parameter is split; Lightning's loader
-    cuts contiguous blocks, which is wrong for that weight. Tensor and pipeline parallelism therefore do not combine
-    yet: one needs a single file, the other shards.
+    Checkpoints are folders of one shard per process (``save_distributed_checkpoint: true``), optimizer states keyed
+    by parameter name and every packed query/key/value weight stored as ``(3, C, C)``
+    (:mod:`torch_handle.parallel.layout`), so that any layout (tensor parallel, FSDP2, pipeline, one process) reads
+    what any other wrote. ``save_distributed_checkpoint: false`` gathers one file of full tensors on rank 0 instead;
+    this strategy loads such a file by splitting every tensor the way its parameter is split (Lightning's loader cuts
+    contiguous blocks, which is wrong for the weight tensor parallelism splits by heads).
     """
 
     def __init__(
@@ -321,8 +323,8 @@ class ModelParallelStrategy(_SafeFolders, _LightningModelParallelStrategy):
         world = self.num_nodes * self.num_processes
         if pp > 1 and tp not in ("auto", 1):
             raise SetupError(
-                f"pipeline_parallel_size={pp} and tensor_parallel_size={tp} do not combine yet (a tensor-parallel "
-                "checkpoint is one file, a pipeline's one shard per stage): set one of them to 1"
+                f"pipeline_parallel_size={pp} and tensor_parallel_size={tp} do not combine yet (a pipeline stage "
+                "is not split by heads): set one of them to 1"
             )
         if pp > 1 and not fitting:
             return world, 1, 1
@@ -340,12 +342,6 @@ class ModelParallelStrategy(_SafeFolders, _LightningModelParallelStrategy):
                 f"data_parallel_size={dp} x pipeline_parallel_size={pp} x tensor_parallel_size={tp} must equal the "
                 f"{world} processes (trainer.devices x trainer.num_nodes): set --trainer.strategy.init_args."
                 "data_parallel_size, pipeline_parallel_size and tensor_parallel_size to multiply out, or 'auto'"
-            )
-        if tp > 1 and self._save_distributed_checkpoint:
-            raise SetupError(
-                "save_distributed_checkpoint=true cannot save tensor-parallel weights (torch.distributed.checkpoint "
-                "has no layout for the head-split attention weight): set "
-                "--trainer.strategy.init_args.save_distributed_checkpoint false"
             )
         if pp > 1 and not self._save_distributed_checkpoint:
             raise SetupError(
@@ -365,11 +361,19 @@ class ModelParallelStrategy(_SafeFolders, _LightningModelParallelStrategy):
         self.lightning_module._device_mesh = self._device_mesh
 
     @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        state = super().lightning_module_state_dict()
+        if not self._save_distributed_checkpoint:
+            return state
+        return to_heads_layout(state, packed_names(self.lightning_module))
+
+    @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if not self._save_distributed_checkpoint:
             return super().optimizer_state(optimizer)
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's own
-        return get_optimizer_state_dict(self.model, optimizer, options=_SHARDED)
+        state = get_optimizer_state_dict(self.model, optimizer, options=_SHARDED)
+        return to_heads_layout(state, packed_names(self.lightning_module))
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
@@ -403,7 +407,18 @@ class ModelParallelStrategy(_SafeFolders, _LightningModelParallelStrategy):
         state = {"state_dict": get_model_state_dict(module)}
         for i, optimizer in enumerate(self.optimizers):
             state[f"optimizer_{i}"] = get_optimizer_state_dict(module, optimizer, options=_SHARDED)
+        # The packed weights are read into (3, C, C) views where the folder stores them so (every save of this
+        # strategy; FSDP2 folders of torch-handle 0.1.0 hold (3C, C)): the views load them in place. Entries that
+        # are not tensors (hyperparameters) are replaced in these dictionaries, so the views are swapped back after.
+        stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        packed, viewed = packed_names(module), {}
+        for group, values in state.items():
+            for key, value in values.items():
+                if is_packed(key, value, packed) and len(stored[f"{group}.{key}"].size) == 3:
+                    viewed[group, key], values[key] = value, as_heads(value)
         dcp.load(state, checkpoint_id=path)
+        for (group, key), value in viewed.items():
+            state[group][key] = value
         module.load_state_dict(state["state_dict"], strict=module.strict_loading)
         for i, optimizer in enumerate(self.optimizers):
             set_optimizer_state_dict(module, optimizer, state[f"optimizer_{i}"], options=_SHARDED)

@@ -230,8 +230,8 @@ class Pipeline:
         """Forward and backward of every micro-batch; ``loss_fn(logits, labels)`` of each is what it backpropagates
         (sum-reduced: gradients are not divided by the micro-batch count). Gradients accumulate into ``.grad``."""
         src, tgt, labels = self.even_rows(src, tgt, labels)
-        # A schedule's FSDP2 stage overwrites the sharded gradients that an earlier step left (its reduce-scatter does
-        # not add to them, measured with torch 2.13): set them aside and add them back, for gradient accumulation.
+        # After a schedule's step an FSDP2 stage holds only that step's gradients: an earlier step's were lost
+        # (measured with torch 2.13, tests/pipeline_worker.py). Set aside and added back, for gradient accumulation.
         params = [p for p in self.stage.parameters() if p.grad is not None]
         earlier = [p.grad for p in params]
         for p in params:

@@ -4,31 +4,38 @@ Each encoder and decoder layer is its own unit, gathered just before it runs and
 rest (embeddings, the tied output layer, the final norms), as torchtitan wraps its blocks. On a 2-D mesh the
 parameters are already tensor-parallel DTensors (:mod:`torch_handle.parallel.tensor`) and FSDP2 shards each rank's
 share again across the data-parallel ranks; gradients are averaged over them, as DDP does.
+
+The packed query/key/value weights are sharded by columns (dim 1), everything else by rows: FSDP2 composes dim 1
+with tensor parallelism's split of the three matrices by heads, and sharded checkpoints can then store that weight
+as ``(3, C, C)`` under every layout (:mod:`torch_handle.parallel.layout`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import Shard
 
 from torch_handle.model import Transformer
+from torch_handle.model.attention import MultiHeadAttention
 from torch_handle.parallel.pipeline import StageModule
-from torch_handle.parallel.tensor import HEADS
 
 
-def _placement(param: nn.Parameter) -> Shard | None:
-    """Dim 1 for the packed query/key/value weight that tensor parallelism splits by heads on dim 0; FSDP2's dim-0
-    default elsewhere (it composes with a plain ``Shard(0)``, not with that strided split)."""
-    return Shard(1) if isinstance(param, DTensor) and HEADS in param.placements else None
+def _placement(model: nn.Module) -> Callable[[nn.Parameter], Shard | None]:
+    """Dim 1 for ``model``'s packed query/key/value weights, FSDP2's dim-0 default elsewhere."""
+    packed = {id(m.in_proj.weight) for m in model.modules() if isinstance(m, MultiHeadAttention)}
+    return lambda param: Shard(1) if id(param) in packed else None
 
 
 def apply_fully_shard(model: Transformer, mesh: DeviceMesh) -> Transformer:
     """Shards ``model``'s parameters, gradients and optimizer state over the 1-D data-parallel ``mesh``, in place."""
+    placement = _placement(model)
     for layer in (*model.encoder_layers, *model.decoder_layers):
-        fully_shard(layer, mesh=mesh, shard_placement_fn=_placement)
-    fully_shard(model, mesh=mesh, shard_placement_fn=_placement)
+        fully_shard(layer, mesh=mesh, shard_placement_fn=placement)
+    fully_shard(model, mesh=mesh, shard_placement_fn=placement)
     for method in ("encode", "decode"):  # evaluation and generation call these, not forward: gather the root there too
         register_fsdp_forward_method(model, method)
     return model
@@ -39,8 +46,9 @@ def apply_fully_shard_stage(stage: StageModule, mesh: DeviceMesh) -> StageModule
     layers one by one, the stage as the root; the schedule reduces gradients once per batch, after its last
     micro-batch."""
     model = stage.model
+    placement = _placement(model)
     for layer in (*model.encoder_layers, *model.decoder_layers):
         if any(True for _ in layer.parameters()):  # the other stages' placeholders hold none
-            fully_shard(layer, mesh=mesh)
-    fully_shard(stage, mesh=mesh)
+            fully_shard(layer, mesh=mesh, shard_placement_fn=placement)
+    fully_shard(stage, mesh=mesh, shard_placement_fn=placement)
     return stage
