@@ -57,10 +57,16 @@ CASES = {
     "zero3": ("zero3", []),
     "zero3, bucket 2e8": ("zero3", ["--trainer.strategy.init_args.reduce_bucket_size", "200000000"]),
     "fsdp": ("fsdp", []),
+    "fsdp2": (
+        "tp",
+        ["--trainer.strategy.init_args.tensor_parallel_size=1", "--trainer.strategy.init_args.data_parallel_size=2"],
+    ),
     "tp": ("tp", []),
+    "fsdp2_tp": ("fsdp2_tp", []),
     "pp": ("pp", []),
 }
 WORLD = 2
+PROCESSES = {"fsdp2_tp": 4}  # the 2-D mesh, 2 x 2: two FSDP2 replicas of two tensor-parallel ranks
 MODELS = {
     "31m": {"d_model": 512, "num_heads": 8, "num_encoder_layers": 4, "num_decoder_layers": 4, "d_ff": 2048},
     # issue 13's ~400M configuration (issue 15's sizes; the demo's 1000-token vocabulary, not 32k)
@@ -76,13 +82,15 @@ FP32_FORMULA = {
     "zero2": ("4 + 12/N", lambda n, f: 4 + 12 / n),
     "zero3": ("16/N", lambda n, f: 16 / n),
     "fsdp": ("16/N", lambda n, f: 16 / n),
+    "fsdp2": ("16/N", lambda n, f: 16 / n),
     "tp": ("16 (f/N + 1 - f)", lambda n, f: 16 * (f / n + 1 - f)),
+    "fsdp2_tp": ("16 (f/(dp tp) + (1 - f)/dp)", lambda n, f: 16 * (f / n + (1 - f) / 2)),  # dp = tp = 2
     "pp": ("16 s", lambda n, s: 16 * s),
 }
-FRACTION = {"tp": "f", "pp": "s"}  # the symbol of the fraction a formula takes
+FRACTION = {"tp": "f", "fsdp2_tp": "f", "pp": "s"}  # the symbol of the fraction a formula takes
 # Batches one step trains: one per rank under data parallelism, one shared by the ranks under tensor and pipeline
 # parallelism (each rank reads the same token budget per batch), so their time per batch is their step time.
-BATCHES_PER_STEP = {"tp": 1, "pp": 1}
+BATCHES_PER_STEP = {"tp": 1, "fsdp2_tp": 2, "pp": 1}
 # What DeepSpeed keeps: also an fp32 master partition, even when the parameters are fp32 already (the
 # mixed-precision formula's 12 optimizer bytes with 4-byte parameters and gradients); and its stage 1, like
 # stage 2, keeps only the rank's gradient partition once backward ends (it holds every gradient until then).
@@ -97,7 +105,9 @@ MIXED_FORMULA = {
     "zero2": "2 + 14/N",
     "zero3": "16/N",
     "fsdp": "16/N",
+    "fsdp2": "16/N",
     "tp": "16 (f/N + 1 - f)",
+    "fsdp2_tp": "16 (f/(dp tp) + (1 - f)/dp)",
     "pp": "16 s",
 }
 
@@ -269,14 +279,14 @@ class StrategyProbe(Callback):
 
 
 def run_case(case: str, root: Path, steps: int, max_tokens: int, timeout: float, size: str) -> list[dict[str, Any]]:
-    """Trains with the case's ``configs/STRATEGY.yaml`` on two CPU processes; returns each rank's probe record."""
+    """Trains with the case's ``configs/STRATEGY.yaml`` on its CPU processes; returns each rank's probe record."""
     strategy, extra = CASES[case]
     model = [f"--model.transformer.{key}={value}" for key, value in MODELS[size].items()]
     command = [
         sys.executable, "cli.py", "fit",
         "--config", f"configs/{strategy}.yaml",
         "--trainer.accelerator", "cpu",
-        "--trainer.devices", str(WORLD),
+        "--trainer.devices", str(_world(case)),
         *model,
         "--model.transformer.dropout", "0.1",
         "--model.transformer.max_len", "128",
@@ -301,7 +311,7 @@ def run_case(case: str, root: Path, steps: int, max_tokens: int, timeout: float,
     run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if run.returncode:
         raise RuntimeError(f"{case} failed (exit {run.returncode}):\n{run.stderr[-4000:]}")
-    return [json.loads((root / f"probe.rank{rank}.json").read_text()) for rank in range(WORLD)]
+    return [json.loads((root / f"probe.rank{rank}.json").read_text()) for rank in range(_world(case))]
 
 
 def _free_port() -> int:
@@ -310,6 +320,16 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _world(case: str) -> int:
+    """The processes of a case: two, or four for the 2-D mesh."""
+    return PROCESSES.get(case, WORLD)
+
+
+def _kind(case: str) -> str:
+    """The formulas' key of a case: its own name, or its config's (``zero3, bucket 2e8`` is ``zero3``'s)."""
+    return case if case in FP32_FORMULA else CASES[case][0]
 
 
 def _mib(n: float) -> str:
@@ -359,7 +379,7 @@ def main() -> None:
     timing_rows, state_rows = [], []
     for strategy, result in results.items():
         rss = result["peak_rss"]
-        batches = BATCHES_PER_STEP.get(CASES[strategy][0], WORLD)
+        batches, world = BATCHES_PER_STEP.get(_kind(strategy), WORLD), _world(strategy)
         per_batch = result["wall"] / batches
         timing_rows.append(
             [
@@ -374,9 +394,9 @@ def main() -> None:
                 f"{max(rss) / max(base['peak_rss']):.2f}" if base else "",
             ]
         )
-        held = max(range(WORLD), key=lambda r: result["state"][r]["total"])  # the rank holding more (uneven shares)
+        held = max(range(world), key=lambda r: result["state"][r]["total"])  # the rank holding more (uneven shares)
         state = result["state"][held]
-        config = CASES[strategy][0]
+        config = _kind(strategy)
         fraction = result["held_fraction"][held] if config == "pp" else result["split_fraction"]
         activations = result["activations"][held]
         label, formula = FP32_FORMULA[config]
@@ -387,7 +407,7 @@ def main() -> None:
                 " / ".join(_mib(state[k]) for k in ("params", "grads", "master", "adam_moments", "other")),
                 _mib(state["total"]),
                 f"{state['total'] / parameters:.2f}",
-                f"{label} = {formula(WORLD, fraction):.2f}"
+                f"{label} = {formula(world, fraction):.2f}"
                 + (f" ({FRACTION[config]} = {fraction:.3f})" if config in FRACTION else ""),
                 f"{ds_label} = {ds_formula(WORLD):.1f}" if ds_formula else "",
                 MIXED_FORMULA[config],
@@ -415,7 +435,9 @@ def main() -> None:
             "communication, optimizer step); CPU time leaves out time taken by other processes. A step of DDP, "
             "ZeRO or FSDP trains one batch per rank; a step of tensor or pipeline parallelism one batch shared by "
             "both ranks, so its time per batch (tokens per second) is its step time: `wall per batch / DDP` "
-            "compares that. Peak RSS is each "
+            "compares that. `fsdp2_tp` (`configs/fsdp2_tp.yaml`) runs 4 processes, two FSDP2 replicas of two "
+            "tensor-parallel ranks, on the same cores: a step trains 2 batches, and its times are those of 4 "
+            "processes sharing the cores. Peak RSS is each "
             "rank's resident high-water mark (`VmHWM`), PyTorch, Lightning and DeepSpeed runtime included.",
             common.markdown_table(
                 [
@@ -426,7 +448,7 @@ def main() -> None:
                     "wall / DDP",
                     "CPU / DDP",
                     "wall per batch / DDP",
-                    "peak RSS rank 0 / 1 (MiB)",
+                    "peak RSS per rank (MiB)",
                     "peak RSS / DDP",
                 ],
                 timing_rows,
@@ -439,7 +461,8 @@ def main() -> None:
             "parameters); `other` is mostly DeepSpeed's preallocated reduce bucket. DDP's gradient buckets live "
             "in its C++ reducer, out of Python's reach, and are not counted. The rank holding more is shown. In "
             "fp32 a rank of N needs 4 bytes/param of parameters, 4 of gradients and 8 of Adam moments, each "
-            "sharded or not: DDP 16, ZeRO-1 4 + 4 + 8/N, ZeRO-2 4 + 12/N, ZeRO-3 and FSDP (full shard) 16/N. "
+            "sharded or not: DDP 16, ZeRO-1 4 + 4 + 8/N, ZeRO-2 4 + 12/N, ZeRO-3, FSDP (full shard) and FSDP2 "
+            "(`fsdp2`: `configs/tp.yaml` with tensor_parallel_size 1, `fully_shard` per layer) 16/N. "
             "DeepSpeed also keeps an fp32 master copy of its partition when the parameters are fp32 already "
             "(+4/N), and its stage 1, like stage 2, keeps only this rank's gradient partition once backward "
             "has ended (stage 1 holds every full gradient until the end of backward, stage 2 reduces them "
@@ -447,7 +470,9 @@ def main() -> None:
             "`configs/zero3.yaml` sets 1e7 (38 MiB in fp32); the `zero3, bucket 2e8` row shows Lightning's "
             "default, 763 MiB, more than this model's whole state. Tensor parallelism (`tp`) splits every layer's "
             "matrices, a fraction f of the parameters, over the N ranks and replicates the rest (embeddings, "
-            "norms, output-projection biases): 16 (f/N + 1 - f). A pipeline stage (`pp`: the encoder on rank 0, the "
+            "norms, output-projection biases): 16 (f/N + 1 - f); FSDP2 over tensor parallelism (`fsdp2_tp`) shards "
+            "a rank's share once more over the dp replicas: 16 (f/(dp tp) + (1 - f)/dp). A pipeline stage (`pp`: "
+            "the encoder on rank 0, the "
             "decoder on rank 1, 4 micro-batches by 1F1B) holds a share s of the parameters, its layers and the "
             "embeddings or output layer it runs (the tied embedding on both): 16 s. The mixed-precision column is "
             "the ZeRO paper's (2-byte parameters and gradients, 12 bytes of fp32 master, m and v), for "
@@ -462,7 +487,7 @@ def main() -> None:
                     "params / grads / fp32 master / Adam m,v / other (MiB)",
                     "model state (MiB)",
                     "bytes/param measured",
-                    f"fp32 formula (N={WORLD})",
+                    f"fp32 formula (N={WORLD}; fsdp2_tp: dp = tp = 2)",
                     f"what DeepSpeed keeps in fp32 (N={WORLD})",
                     "mixed-precision formula",
                     "state / DDP",
