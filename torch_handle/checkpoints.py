@@ -143,10 +143,29 @@ def deepspeed_state(path: Path, module: Module | None = None) -> dict[str, Any]:
     ``module`` (DeepSpeed stores a shared parameter under one of its names only)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    tag = deepspeed_tag(path)
-    client = torch.load(next((path / tag).glob("*model_states.pt")), map_location="cpu", weights_only=True)
-    state_dict = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag)
-    return {**client, "state_dict": state_dict if module is None else with_tied_weights(state_dict, module)}
+    state_dict = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=deepspeed_tag(path))
+    state_dict = state_dict if module is None else with_tied_weights(state_dict, module)
+    return {**checkpoint_fields(path), "state_dict": state_dict}
+
+
+def folder_kind(path: Path) -> str:
+    """Which strategy wrote a checked checkpoint folder: ``deepspeed``, ``model_parallel`` (its distributed checkpoint
+    holds ``state_dict``) or ``fsdp`` (``model``)."""
+    if is_deepspeed_checkpoint(path):
+        return "deepspeed"
+    keys = _MetadataUnpickler(io.BytesIO((path / ".metadata").read_bytes())).load().state_dict_metadata
+    return "model_parallel" if any(key.startswith("state_dict.") for key in keys) else "fsdp"
+
+
+def checkpoint_fields(path: Path) -> dict[str, Any]:
+    """Lightning's fields of a checked checkpoint (``hyper_parameters``, ``epoch``, ...): of a file, the file; of a
+    DeepSpeed folder, its client state; of a distributed checkpoint, the ``meta.pt`` Lightning writes beside it."""
+    if path.is_file():
+        return torch.load(path, map_location="cpu", weights_only=True)
+    if is_deepspeed_checkpoint(path):
+        return torch.load(next((path / deepspeed_tag(path)).glob("*model_states.pt")), "cpu", weights_only=True)
+    meta = path / "meta.pt"
+    return torch.load(meta, map_location="cpu", weights_only=True) if meta.is_file() else {}
 
 
 def with_tied_weights(state_dict: dict[str, Tensor], module: Module) -> dict[str, Tensor]:

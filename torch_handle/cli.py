@@ -7,9 +7,12 @@ A thin LightningCLI: the LightningModule's and DataModules' typed signatures are
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -20,6 +23,7 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy, Strategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
@@ -29,10 +33,16 @@ from torch_handle.atomic import lock_run_folder
 from torch_handle.callbacks.checkpointing import Checkpoint
 from torch_handle.callbacks.prediction_writer import STDOUT, PredictionWriter
 from torch_handle.callbacks.throughput import Throughput
-from torch_handle.checkpoints import TOKENIZER_FILE, CheckpointError, resolve_ckpt_path
+from torch_handle.checkpoints import (
+    TOKENIZER_FILE,
+    CheckpointError,
+    checkpoint_fields,
+    folder_kind,
+    resolve_ckpt_path,
+)
 from torch_handle.data.base import Seq2SeqDataModule
 from torch_handle.errors import DataError, SetupError
-from torch_handle.export import configure_from_exported, exported_weights, is_exported
+from torch_handle.export import configure_from_exported, exported_weights, is_exported, merged_checkpoint
 from torch_handle.hparams import RUNTIME, explicit_model_options, merge_checkpoint_options
 from torch_handle.model import BackendUnavailableError, ConfigError
 from torch_handle.module import Seq2SeqModule
@@ -41,6 +51,12 @@ from torch_handle.strategies import require_deepspeed
 # Lightning's MisconfigurationException: the Trainer's and callbacks' own checks of their settings.
 USER_ERRORS = (CheckpointError, ConfigError, DataError, SetupError, BackendUnavailableError, MisconfigurationException)
 EVALUATE = ("validate", "test", "predict")
+READS_FOLDERS: dict[str, type[Strategy]] = {
+    "deepspeed": DeepSpeedStrategy,
+    "fsdp": FSDPStrategy,
+    "model_parallel": ModelParallelStrategy,
+}
+"""The strategy that reads each kind of checkpoint folder (:func:`~torch_handle.checkpoints.folder_kind`)."""
 RESUME_KEYWORDS = ("last", "hpc", "registry")  # ``fit --ckpt_path`` values Lightning resolves itself
 
 
@@ -62,6 +78,9 @@ class OneLineErrorParser(LightningArgumentParser):
 class TorchHandleCLI(LightningCLI):
     """Adds checkpointing, throughput and prediction writing, links the vocabulary size, and finds the last
     checkpoint."""
+
+    merged_from: str | None = None
+    """The checkpoint folder that evaluation merged into one file (:meth:`_merge_folder`)."""
 
     def add_arguments_to_parser(self, parser) -> None:  # noqa: ANN001 - LightningArgumentParser
         parser.add_lightning_class_args(Checkpoint, "checkpoint")
@@ -89,7 +108,7 @@ class TorchHandleCLI(LightningCLI):
         subcommand = self.config.get("subcommand")
         if subcommand is not None:
             ckpt = self._resolve_checkpoint(self.config[subcommand])
-            if ckpt is not None and ckpt.is_file():
+            if ckpt is not None:
                 self._use_checkpoint_options(parser, subcommand, ckpt, sys.argv[1:] if args is None else args)
         _ActionPrintConfig.print_config_if_requested(parser, self.config)
 
@@ -113,7 +132,7 @@ class TorchHandleCLI(LightningCLI):
         self, parser: LightningArgumentParser, subcommand: str, ckpt: Path, args: list[str]
     ) -> None:
         try:
-            hparams = torch.load(ckpt, map_location="cpu", weights_only=True).get("hyper_parameters", {})
+            hparams = checkpoint_fields(ckpt).get("hyper_parameters", {})
         except Exception as err:  # noqa: BLE001 - a damaged or unsafe file: any reason is the same answer
             raise CheckpointError(
                 f"{ckpt} cannot be loaded safely ({type(err).__name__}: damaged, or holds more than tensors and "
@@ -204,29 +223,61 @@ class TorchHandleCLI(LightningCLI):
         return super().instantiate_trainer(**kwargs)
 
     def before_fit(self) -> None:
-        """One run per folder: a second run started in it stops with one line instead of sharing its files."""
+        """One run per folder: a second run started in it stops with one line instead of sharing its files. A
+        folder of shards resumes under the strategy that wrote it only."""
+        folder = self._unreadable_folder()
+        if folder is not None:
+            raise CheckpointError(
+                f"{folder} is a checkpoint folder of {READS_FOLDERS[folder_kind(folder)].__name__}, which "
+                f"{type(self.trainer.strategy).__name__} cannot resume: resume it with the strategy config that wrote "
+                "it (test, predict and export read it with any)"
+            )
         if rank_zero_only.rank == 0:
             lock_run_folder(self.trainer.default_root_dir)
 
     def before_validate(self) -> None:
         self._load_exported()
+        self._merge_folder()
 
     def before_test(self) -> None:
         self._load_exported()
+        self._merge_folder()
 
     def after_test(self) -> None:
         """A few lines after Lightning's table: the headline scores, how they were computed, and the weights used."""
         if self.trainer.is_global_zero:
             lines = self.model.summary(self.trainer.callback_metrics, "test")
-            weights = self.exported or self.trainer.ckpt_path or "none: the model's initial weights"
+            weights = self.exported or self.merged_from or self.trainer.ckpt_path or "none: the model's initial weights"
             print("\n".join(["", *lines, f"checkpoint: {weights}"]), flush=True)
 
     def before_predict(self) -> None:
         self._load_exported()
+        self._merge_folder()
 
     def _load_exported(self) -> None:
         if self.exported is not None:
             self.model.model.load_state_dict(exported_weights(self.exported), strict=True)
+
+    def _unreadable_folder(self) -> Path | None:
+        """``--ckpt_path`` when it is a folder of shards that this run's strategy does not read."""
+        path = self.config_init[self.subcommand].get("ckpt_path")
+        if path is None or not Path(path).is_dir():
+            return None
+        return None if isinstance(self.trainer.strategy, READS_FOLDERS[folder_kind(Path(path))]) else Path(path)
+
+    def _merge_folder(self) -> None:
+        """Evaluates a folder of shards that this run's strategy does not read (a ZeRO, FSDP or tensor-parallel run
+        tested on one device, or with DDP) from one file of its full weights, merged into a temporary folder."""
+        folder = self._unreadable_folder()
+        if folder is None:
+            return
+        merged = Path(tempfile.mkdtemp(prefix="torch-handle-")) / "merged.ckpt"
+        atexit.register(shutil.rmtree, merged.parent, True)
+        torch.save(merged_checkpoint(folder, self.model), merged)
+        self.config_init[self.subcommand]["ckpt_path"] = str(merged)
+        self.merged_from = str(folder)
+        strategy = type(self.trainer.strategy).__name__
+        rank_zero_info(f"{folder}: {strategy} reads the full weights merged from its shards")
 
 
 def user_error(err: BaseException | None) -> BaseException | None:

@@ -28,6 +28,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
+from torch.nn import Module
 
 from torch_handle.atomic import atomic_path
 from torch_handle.checkpoints import (
@@ -126,6 +127,16 @@ def _lightning_state(path: Path) -> dict[str, Any]:
     extra = torch.load(meta, map_location="cpu", weights_only=True) if meta.is_file() else {}
     state_dict = from_heads_layout(checkpoint.get("model", checkpoint.get("state_dict", {})))
     return {**extra, **checkpoint, "state_dict": state_dict}
+
+
+def merged_checkpoint(path: Path, module: Module) -> dict[str, Any]:
+    """A checked checkpoint folder as one Lightning checkpoint of full weights, for evaluation by a strategy that does
+    not read the folder (a ZeRO, FSDP or tensor-parallel run tested on one device): Lightning's fields, without the
+    optimizer's, and every tied name of ``module``'s weights."""
+    state = _lightning_state(path)
+    optimizer = {"optimizer_states", "lr_schedulers", *(key for key in state if key.startswith("optimizer_"))}
+    fields = {key: value for key, value in state.items() if key not in optimizer}
+    return {**fields, "state_dict": with_tied_weights(state["state_dict"], module)}
 
 
 def _config_and_tokenizer(path: Path, state: dict[str, Any]) -> tuple[TransformerConfig, str]:
