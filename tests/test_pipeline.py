@@ -178,12 +178,21 @@ def test_stages_that_do_not_divide_the_processes_are_one_line(tmp_path: Path) ->
     assert not (tmp_path / "checkpoints").exists()
 
 
-def test_tensor_and_pipeline_parallelism_together_is_one_line(tmp_path: Path) -> None:
-    run = cli(_pp_args(tmp_path, 2, "--trainer.strategy.init_args.tensor_parallel_size", "2"))
-    assert run.returncode != 0 and run.stderr.strip().splitlines()[-1] == (
-        "error: pipeline_parallel_size=2 and tensor_parallel_size=2 do not combine yet (a pipeline stage is not "
-        "split by heads): set one of them to 1"
-    )
+@pytest.mark.slow
+def test_pipeline_stages_split_by_tensor_parallelism_train_as_one_process(tmp_path: Path) -> None:
+    """2 stages x 2 tensor-parallel ranks (4 processes, one batch a step): 4 steps end with one process's weights,
+    each process counts a quarter of every batch, and the step-2 shards (split by stage and by heads) continue on one
+    process to the same end."""
+    tp = ("--trainer.strategy.init_args.tensor_parallel_size", "2")
+    check(cli(_pp_args(tmp_path / "one", 1, *ONE_STAGE, *csv_logger(tmp_path / "one"))))
+    check(cli(_pp_args(tmp_path / "four", 4, *tp, *csv_logger(tmp_path / "four"))))
+    for count in ("train/samples", "train/lengths"):
+        assert [4 * n for n in logged(tmp_path / "four", count)] == logged(tmp_path / "one", count), count
+    shards = tmp_path / "four" / "checkpoints" / "epoch=0-step=2.ckpt"
+    check(cli(_pp_args(tmp_path / "continued", 1, *ONE_STAGE, "--ckpt_path", str(shards))))
+    want = checkpoint_weights(tmp_path / "one")
+    for run in ("four", "continued"):
+        assert_weights_close(want, checkpoint_weights(tmp_path / run), run)
 
 
 def test_decoding_in_validation_under_a_pipeline_is_one_line(tmp_path: Path) -> None:

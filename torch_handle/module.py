@@ -203,7 +203,7 @@ class Seq2SeqModule(L.LightningModule):
 
     @override
     def configure_model(self) -> None:
-        """Applies the parallelisation plans once the processes are connected: pipeline stages, or tensor
+        """Applies the parallelisation plans once the processes are connected: pipeline stages and/or tensor
         parallelism, then FSDP2, on the mesh of :class:`~torch_handle.strategies.ModelParallelStrategy`; or context
         parallelism on a ``(data_parallel, context_parallel)`` mesh laid out here; nothing under the other
         strategies."""
@@ -230,6 +230,8 @@ class Seq2SeqModule(L.LightningModule):
                     "decode with every process as a replica): set --model.generate_every_n_val_epochs 0"
                 )
             stage = apply_pipeline_parallel(self.model, mesh[PIPELINE_PARALLEL], pipeline)
+            if mesh[TENSOR_PARALLEL].size() > 1:  # each stage's heads and feed-forward units split in turn
+                apply_tensor_parallel(stage.model, mesh[TENSOR_PARALLEL])
             apply_fully_shard_stage(stage, mesh[DATA_PARALLEL])
             self._pipeline = Pipeline(stage, mesh[PIPELINE_PARALLEL], pipeline)
         elif mesh is not None:

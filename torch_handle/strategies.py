@@ -321,11 +321,6 @@ class ModelParallelStrategy(_SafeFolders, _LightningModelParallelStrategy):
         ``fit`` a pipeline's processes are data-parallel replicas of the whole model, on any number of devices."""
         dp, tp, pp = self._data_parallel_size, self._tensor_parallel_size, self._pipeline_parallel_size
         world = self.num_nodes * self.num_processes
-        if pp > 1 and tp not in ("auto", 1):
-            raise SetupError(
-                f"pipeline_parallel_size={pp} and tensor_parallel_size={tp} do not combine yet (a pipeline stage "
-                "is not split by heads): set one of them to 1"
-            )
         if pp > 1 and not fitting:
             return world, 1, 1
         if pp < 1 or world % pp:
