@@ -69,10 +69,10 @@ def logged_training_seconds(run: Path) -> float:
     return max(times) - min(times)
 
 
-def score(run: Path, data: Path, limit: int | None) -> list[list[object]]:
+def score(run: Path, data: Path, limit: int | None, device: str = "cpu") -> list[list[object]]:
     import torch_handle
 
-    model = torch_handle.load(run)
+    model = torch_handle.load(run, device=device)
     rows = []
     for split in SPLITS:
         source, reference = data / f"{split}.en", data / f"{split}.de"

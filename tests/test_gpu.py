@@ -77,3 +77,22 @@ def test_bf16_training_step_gradients_match_naive(backend: str) -> None:
         torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tgt[:, 1:].flatten(), ignore_index=0).backward()
     for (name, a), b in zip(naive.named_parameters(), other.parameters(), strict=True):
         torch.testing.assert_close(b.grad, a.grad, atol=5e-2, rtol=5e-2, msg=name)
+
+
+def test_unpadded_batches_train_on_the_flash_kernel() -> None:
+    """No padding, no mask: with SDPA held to the flash kernel, a bf16 training step of full and causal attention
+    runs (a mask, even all True, would leave no kernel to run), and its gradients match the naive reference."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    config = dataclasses.replace(CONFIG, position="rope")  # ALiBi would be an additive mask
+    naive = Transformer(dataclasses.replace(config, attention_backend="naive")).cuda()
+    other = Transformer(dataclasses.replace(config, attention_backend="sdpa")).cuda()
+    other.load_state_dict(naive.state_dict())
+    src = torch.randint(3, 512, (4, 256), device="cuda")
+    tgt = torch.randint(3, 512, (4, 41), device="cuda")
+    for model, kernels in ((naive, list(SDPBackend)), (other, [SDPBackend.FLASH_ATTENTION])):
+        with sdpa_kernel(kernels), torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(src, tgt[:, :-1])
+        torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tgt[:, 1:].flatten()).backward()
+    for (name, a), b in zip(naive.named_parameters(), other.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, atol=5e-2, rtol=5e-2, msg=name)

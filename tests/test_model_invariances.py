@@ -75,6 +75,20 @@ def test_appended_padding_changes_no_logits(backend: str, attention: str, positi
     torch.testing.assert_close(model(src, F.pad(tgt, (0, 5), value=PAD))[:, : tgt.shape[1]], logits)
 
 
+@pytest.mark.parametrize("attention", ["full", "local"])
+@torch.no_grad()
+def test_a_batch_without_padding_attends_unmasked_with_the_same_logits(attention: str) -> None:
+    """No padding anywhere: no mask reaches the kernel (on a GPU, SDPA's flash kernel takes no mask), and the logits
+    are those of the same rows next to a padded one, which needs masks."""
+    model = _model(attention_backend="sdpa", encoder_attention=attention)
+    src, tgt = torch.randint(3, VOCAB, (2, 13)), torch.randint(3, VOCAB, (2, 9))
+    assert model.encoder_context(src).spec.key_padding is None
+    assert model.decoder_context(tgt, model.memory_padding(src)).cross_spec.key_padding is None
+    padded_src, padded_tgt = torch.cat((src, F.pad(src[:1, :5], (0, 8), value=PAD))), torch.cat((tgt, tgt[:1]))
+    assert model.encoder_context(padded_src).spec.key_padding is not None
+    torch.testing.assert_close(model(src, tgt), model(padded_src, padded_tgt)[:2])
+
+
 @pytest.mark.parametrize("position", POSITIONS)
 @torch.no_grad()
 def test_future_targets_never_change_earlier_logits(position: str) -> None:

@@ -197,3 +197,56 @@ def test_evaluation_encodes_each_batch_once_for_the_loss_and_the_decoding(monkey
     module.trainer = Mock(world_size=1)
     module._evaluate(batch, "test", decode=True)
     assert len(encoded) == 1 and reused == encoded  # decoding took the loss's encoder output, and encoded nothing
+
+
+def test_a_fused_optimizer_is_clipped_under_bf16_mixed_precision() -> None:
+    """On a GPU the module's AdamW is fused. Lightning refuses to clip a fused optimizer's gradients under any mixed
+    precision (an fp16 scaler would unscale them after the clipping); bf16 has no scaler, so the module clips them
+    itself: the step sees a gradient norm of ``gradient_clip_val``. Run on the CPU with its fused AdamW."""
+
+    norms: list[float] = []
+
+    class Recording(torch.optim.AdamW):
+        def step(self, closure=None):  # type: ignore[no-untyped-def]
+            loss = closure() if closure is not None else None  # Lightning's closure: forward, backward, clipping
+            grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+            norms.append(float(torch.stack([g.norm() for g in grads]).norm()))
+            super().step()
+            return loss
+
+    class Fused(Seq2SeqModule):
+        def configure_optimizers(self) -> dict:
+            configured = super().configure_optimizers()
+            optimizer = Recording(configured["optimizer"].param_groups, lr=self.hparams.lr, fused=True)
+            configured["optimizer"] = optimizer
+            configured["lr_scheduler"]["scheduler"] = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+            return configured
+
+    datamodule = TranslationDataModule(demo_size=300, bpe_vocab_size=300, max_tokens=1024)
+    module = Fused(TINY, vocab_size=datamodule.vocab_size, warmup_steps=2, generate_every_n_val_epochs=0)
+    trainer = L.Trainer(
+        max_steps=2, precision="bf16-mixed", gradient_clip_val=1e-3, limit_val_batches=0, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, datamodule=datamodule)
+    assert norms == pytest.approx([1e-3, 1e-3], rel=1e-3)
+
+
+def test_compile_compiles_each_layer_once_and_stays_out_of_the_checkpoint(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``--model.compile true`` compiles every encoder and decoder layer once (not again when the same module
+    validates), and is a choice of the run: the checkpoint's hyper-parameters do not keep it."""
+    compiled: list[torch.nn.Module] = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, *args, **kwargs: compiled.append(self))
+    datamodule = TranslationDataModule(demo_size=300, bpe_vocab_size=300, max_tokens=1024)
+    config = TransformerConfig(**{**TINY.to_dict(), "num_encoder_layers": 2})
+    module = Seq2SeqModule(config, vocab_size=datamodule.vocab_size, generate_every_n_val_epochs=0, compile=True)
+    trainer = L.Trainer(
+        max_steps=1, limit_val_batches=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )  # fmt: skip
+    trainer.fit(module, datamodule=datamodule)
+    trainer.validate(module, datamodule=datamodule, verbose=False)  # configure_model again: nothing more compiles
+    assert compiled == [*module.model.encoder_layers, *module.model.decoder_layers]
+    assert "compile" not in module.hparams

@@ -60,6 +60,12 @@ class DecoderCache:
         return None if k is None else k.shape[0]
 
 
+def _any_padding(pad: Tensor) -> Tensor | None:
+    """``pad``, or ``None`` when nothing is padding: attention without a mask runs the flash kernel on a GPU, where
+    a mask (even all True) sends SDPA to a slower one. One host sync per forward pass, not per layer."""
+    return pad if bool(pad.any()) else None
+
+
 class Transformer(nn.Module):
     """Encoder-decoder Transformer; ``forward(src, tgt)`` returns next-token logits ``(B, T, V)``.
 
@@ -182,7 +188,7 @@ class Transformer(nn.Module):
         c = self.config
         window = c.window if c.encoder_attention == "local" else None
         if halo_padding is None:
-            spec = MaskSpec(key_padding=src == c.pad_id, window=window, alibi=self._slopes)
+            spec = MaskSpec(key_padding=_any_padding(src == c.pad_id), window=window, alibi=self._slopes)
         else:
             assert window is not None, "halos exist under local attention only"
             spec = MaskSpec(key_padding=halo_padding, window=window, alibi=self._slopes, q_offset=window)
@@ -205,7 +211,7 @@ class Transformer(nn.Module):
         """What every decoder layer needs besides its input and ``memory``: masks and RoPE angles."""
         return DecoderContext(
             MaskSpec(causal=True, alibi=self._slopes, q_offset=offset),
-            MaskSpec(key_padding=memory_padding),
+            MaskSpec(key_padding=_any_padding(memory_padding)),
             self._rope(offset, tgt.shape[1], tgt.device),
         )
 
