@@ -49,6 +49,27 @@ def _percent(value: Tensor | dict[str, Tensor], prefix: str) -> dict[str, Tensor
     return {f"{prefix}{name}": 100 * score.float() for name, score in scores.items()}
 
 
+def token_sums(logits: Tensor, labels: Tensor, pad: int, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Label-smoothed loss and NLL, both summed over the targets that are not ``pad``, and their count.
+
+    One log-softmax serves both: smoothed loss = (1 - eps) * NLL + eps * mean over the vocabulary of -log p, as
+    ``F.cross_entropy(label_smoothing=eps)``.
+    """
+    labels = labels.reshape(-1)
+    log_probs = F.log_softmax(logits.float(), dim=-1).view(-1, logits.shape[-1])
+    keep = labels != pad
+    nll = F.nll_loss(log_probs, labels, ignore_index=pad, reduction="sum")
+    smooth = -(log_probs.mean(dim=-1) * keep).sum()
+    return (1 - eps) * nll + eps * smooth, nll, keep.sum()
+
+
+@functools.cache
+def _compiled_token_sums() -> Callable[..., tuple[Tensor, Tensor, Tensor]]:
+    """:func:`token_sums` compiled (``--model.compile true``): its passes over the ``(tokens, vocabulary)`` logits fuse,
+    4% of an H100 step of the ~400M model and 2.9 GiB (benchmarks/RESULTS.md, gpu_suite)."""
+    return torch.compile(token_sums)
+
+
 class Seq2SeqModule(L.LightningModule):
     """Trains the handwritten Transformer; the strategy (DDP, DeepSpeed, FSDP) is the Trainer's concern.
 
@@ -82,8 +103,8 @@ class Seq2SeqModule(L.LightningModule):
             as ``1 / context_parallel``. Needs ``transformer.encoder_attention: local`` and must divide the number of
             processes; the rest are data-parallel replicas. Chosen for each run: checkpoints do not keep it.
         compile: ``torch.compile`` each encoder and decoder layer (as torchtitan compiles its blocks) once the
-            parallelisation plans are applied: fused kernels and fewer launches on a GPU, after a compilation of
-            about a minute. Chosen for each run: checkpoints do not keep it.
+            parallelisation plans are applied, and the loss: fused kernels and fewer launches on a GPU, after a
+            compilation of about a minute. Chosen for each run: checkpoints do not keep it.
     """
 
     def __init__(
@@ -176,19 +197,9 @@ class Seq2SeqModule(L.LightningModule):
         return self._token_sums(logits, tgt[:, 1:])
 
     def _token_sums(self, logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Smoothed loss, NLL (both summed) and the token count of ``logits (B, T, V)`` against ``labels (B, T)``.
-
-        One log-softmax serves both: smoothed loss = (1 - eps) * NLL + eps * mean over the vocabulary of -log p, as
-        ``F.cross_entropy(label_smoothing=eps)``.
-        """
-        pad = self.config.pad_id
-        labels = labels.reshape(-1)
-        log_probs = F.log_softmax(logits.float(), dim=-1).view(-1, logits.shape[-1])
-        keep = labels != pad
-        nll = F.nll_loss(log_probs, labels, ignore_index=pad, reduction="sum")
-        smooth = -(log_probs.mean(dim=-1) * keep).sum()
-        eps = self.hparams.label_smoothing
-        return (1 - eps) * nll + eps * smooth, nll, keep.sum()
+        """Smoothed loss, NLL (both summed) and the token count of ``logits (B, T, V)`` against ``labels (B, T)``."""
+        sums = _compiled_token_sums() if self.compile_layers else token_sums
+        return sums(logits, labels, self.config.pad_id, self.hparams.label_smoothing)
 
     def _pipelined(self, batch: dict[str, Any], scale: Tensor | float | None) -> tuple[Tensor, Tensor, Tensor]:
         """A batch through the pipeline (:mod:`torch_handle.parallel.pipeline`): forward and backward when ``scale``
