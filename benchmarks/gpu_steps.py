@@ -204,7 +204,7 @@ def throughput(setting: Setting) -> dict[str, Any]:
     off in the same run (``torch.compile`` of the layers, fused AdamW, attention without a padding mask)."""
     from torch_handle.data import EOS_ID, PAD_ID
     from torch_handle.flops import training_flops
-    from torch_handle.model import TransformerConfig
+    from torch_handle.model import Transformer, TransformerConfig
 
     dims = TINY_MODEL if setting.dry_run else THROUGHPUT_MODEL
     vocab, length, rows = (300, 32, 2) if setting.dry_run else (32000, 2048, 8)
@@ -250,8 +250,6 @@ def throughput(setting: Setting) -> dict[str, Any]:
     tables = []
     if not setting.dry_run:
         tables.append(_profile(config, batches, setting))
-    from torch_handle.model import Transformer
-
     model = Transformer(config).to(setting.device).train()
     counted = _counted_flops(model, {k: v.to(setting.device) for k, v in batches[0].items()}, setting)
     best = min(results.values())
@@ -321,8 +319,8 @@ def _lightning_step(
     return sorted(timer.seconds[warmup:])[steps // 2], setting.peak_gib()
 
 
-def _plain_model(config: Any, setting: Setting, levers: tuple[str, ...]) -> tuple[Any, Callable[..., None]]:
-    """The model, and one training step of it (loss, backward, AdamW) in a hand-written loop, with ``levers``."""
+def _plain_model(config: Any, setting: Setting, levers: tuple[str, ...]) -> Callable[[dict[str, torch.Tensor]], None]:
+    """One training step of a fresh model (loss, backward, AdamW) in a hand-written loop, with ``levers``."""
     from torch_handle.model import Transformer
 
     torch.manual_seed(0)
@@ -346,7 +344,7 @@ def _plain_model(config: Any, setting: Setting, levers: tuple[str, ...]) -> tupl
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return model, step
+    return step
 
 
 def _plain_step(
@@ -354,7 +352,7 @@ def _plain_step(
 ) -> tuple[float, float | None]:
     """Median step of the same model, loss and optimizer in a hand-written loop, and peak memory."""
     setting = timing.setting
-    _, step = _plain_model(timing.config, setting, levers)
+    step = _plain_model(timing.config, setting, levers)
     on_device = [{k: v.to(setting.device) for k, v in b.items()} for b in batches]
     setting.reset_peak()
     it = iter(on_device)
@@ -365,7 +363,7 @@ def _profile(config: Any, batches: list[dict[str, torch.Tensor]], setting: Setti
     """Where a compiled step's GPU time goes: the kernels that take most of it, from one profiled step."""
     from torch.profiler import ProfilerActivity, profile
 
-    _, step = _plain_model(config, setting, ("compile",))
+    step = _plain_model(config, setting, ("compile",))
     on_device = [{k: v.to(setting.device) for k, v in b.items()} for b in batches[:3]]
     step(on_device[0])
     step(on_device[1])

@@ -147,7 +147,7 @@ class Seq2SeqModule(L.LightningModule):
         # How many processes split a source is the run's layout, never the checkpoint's: not a hyper-parameter.
         self.save_hyperparameters(ignore=["context_parallel", "compile"])
         self.context_parallel = context_parallel
-        self.compile_layers = compile
+        self.use_compile = compile
         config = dataclasses.replace(transformer, src_vocab_size=vocab_size, tgt_vocab_size=vocab_size)
         check_context_parallel(config, context_parallel)
         if config.position in ("sinusoidal", "learned") and max_new_tokens + 1 > config.max_len:
@@ -198,7 +198,7 @@ class Seq2SeqModule(L.LightningModule):
 
     def _token_sums(self, logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Smoothed loss, NLL (both summed) and the token count of ``logits (B, T, V)`` against ``labels (B, T)``."""
-        sums = _compiled_token_sums() if self.compile_layers else token_sums
+        sums = _compiled_token_sums() if self.use_compile else token_sums
         return sums(logits, labels, self.config.pad_id, self.hparams.label_smoothing)
 
     def _pipelined(self, batch: dict[str, Any], scale: Tensor | float | None) -> tuple[Tensor, Tensor, Tensor]:
@@ -260,7 +260,7 @@ class Seq2SeqModule(L.LightningModule):
             trainer = self.trainer
             self._device_mesh = build_mesh(trainer.world_size, cp, trainer.strategy.root_device.type)
             apply_context_parallel(self.model, self._device_mesh[CONTEXT_PARALLEL].get_group())
-        if self.compile_layers:
+        if self.use_compile:
             for layer in (*self.model.encoder_layers, *self.model.decoder_layers):
                 layer.compile()
         self._parallelized = True

@@ -62,7 +62,7 @@ class DecoderCache:
 
 def _any_padding(pad: Tensor) -> Tensor | None:
     """``pad``, or ``None`` when nothing is padding: attention without a mask runs the flash kernel on a GPU, where
-    a mask (even all True) sends SDPA to a slower one. One host sync per forward pass, not per layer."""
+    a mask (even all True) sends SDPA to a slower one. One host sync per encoder or decoder pass, not per layer."""
     return pad if bool(pad.any()) else None
 
 
