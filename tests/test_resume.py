@@ -188,6 +188,31 @@ def test_sigkill_and_sigterm_mid_epoch_resume_bit_identically_with_dropout(devic
         assert torch.equal(weights(preempted)[name], tensor), name
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("until", [["--trainer.max_steps", "20"], []], ids=["max_steps", "max_epochs"])
+def test_resume_from_an_epoch_end_checkpoint_trains_the_next_epoch_exactly(until: list[str], tmp_path: Path) -> None:
+    """The demo saves its checkpoints at validation's end, after an epoch's last batch. Lightning resumed a run
+    with ``max_steps`` from one as if that epoch were still running (its issue #19617): it counted an extra epoch,
+    so with ``max_epochs`` 2 it trained nothing, and the sampler dealt the wrong epoch's order."""
+
+    def args(root: Path) -> list[str]:
+        epochly = ["--checkpoint.every_n_train_steps", "0", "--checkpoint.every_n_epochs", "1"]
+        return [*demo_args(2, root), *epochly, "--checkpoint.save_top_k", "-1", *until]
+
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    check(cli(args(reference)))
+    (epoch_end,) = (reference / "checkpoints").glob("epoch=0-*.ckpt")
+    check(cli([*args(resumed), "--ckpt_path", str(epoch_end)]))
+    # Batch indices restart each epoch: the reference's epoch-1 losses overwrote its epoch-0 ones in the record.
+    want, got = train_losses(reference), train_losses(resumed)
+    assert batches_run(resumed) == batches_run(reference) - 30  # epoch 0 is 15 steps of two batches
+    assert got == {index: want[index] for index in got}
+    for name, tensor in weights(reference).items():
+        assert torch.equal(weights(resumed)[name], tensor), name
+    names = [{path.name for path in (run / "checkpoints").glob("epoch=*.ckpt")} for run in (reference, resumed)]
+    assert names[1] <= names[0]  # "epoch=1-step=30.ckpt", not "epoch=2-...": the epoch count is the reference's
+
+
 def test_configure_optimizers_leaves_the_train_loader_to_the_fit_loop() -> None:
     """``estimated_stepping_batches`` builds the train loader; built before the checkpoint is restored, Lightning
     never repositions it, and a resumed epoch restarts at batch 0. The schedule reads it at the first step."""

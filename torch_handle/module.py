@@ -20,6 +20,7 @@ from torchmetrics.aggregation import MeanMetric
 from torchmetrics.text import SacreBLEUScore
 from typing_extensions import override
 
+from torch_handle.data.resume import finish_saved_epoch
 from torch_handle.errors import SetupError
 from torch_handle.hierarchical import summarize
 from torch_handle.metrics import ROUGE_KEYS, Rouge, bleu_signature
@@ -279,6 +280,10 @@ class Seq2SeqModule(L.LightningModule):
         mesh = self._device_mesh  # tensor- and context-parallel ranks share their replica's batch
         replicas = trainer.world_size if mesh is None else mesh[DATA_PARALLEL].size()
         return accumulate * replicas * (accumulate if trainer.strategy.handles_gradient_accumulation else 1)
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        finish_saved_epoch(checkpoint)  # a run with max_steps resumed at an epoch's end trains the right next one
 
     @override
     def on_train_start(self) -> None:

@@ -1,4 +1,4 @@
-"""Exact mid-epoch resume of the token-budget training loader.
+"""Exact resume of training: the token-budget loader mid-epoch, and Lightning's epoch count at an epoch's end.
 
 Lightning saves and restores a training DataLoader that has ``state_dict``/``load_state_dict``
 (``fit_loop.py``'s ``_combined_loader``), but counting on the loader's own side over-counts: Lightning's
@@ -16,6 +16,32 @@ import lightning as L
 from torch.utils.data import DataLoader
 
 from torch_handle.data.batching import TokenBudgetBatchSampler
+
+
+def finish_saved_epoch(checkpoint: dict[str, Any]) -> None:
+    """Marks an epoch that a checkpoint saw end as complete, so that resuming trains the next one.
+
+    Lightning (2.6; its issue #19617) resumes an iteration-based run (``max_steps`` set) from a checkpoint
+    written after an epoch's last batch (at validation's end, or at ``max_steps`` on that batch) as if the
+    epoch were still running: it ends that epoch a second time and counts one epoch too many, so the next
+    epoch is shuffled as the one after it and ``current_epoch`` and ``max_epochs`` are off by one. A run
+    without ``max_steps`` takes Lightning's own path for such a checkpoint, which this state leaves unchanged.
+
+    Args:
+        checkpoint: The loaded checkpoint, before Lightning restores its loops from it.
+    """
+    fit = checkpoint.get("loops", {}).get("fit_loop")
+    if fit is None or not fit.get("epoch_loop.batch_progress", {}).get("is_last_batch"):
+        return
+    epochs = fit["epoch_progress"]
+    total = epochs["total"]
+    if not total["ready"] == total["started"] == total["processed"] == total["completed"] + 1:
+        return
+    for progress in (epochs["total"], epochs["current"]):
+        progress["completed"] = progress["processed"]
+    batches = fit["epoch_loop.batch_progress"]
+    batches["current"] = dict.fromkeys(batches["current"], 0)
+    batches["is_last_batch"] = False
 
 
 def batches_processed(trainer: L.Trainer) -> int:
