@@ -320,8 +320,10 @@ def _lightning_step(
 
 
 def _plain_model(config: Any, setting: Setting, levers: tuple[str, ...]) -> Callable[[dict[str, torch.Tensor]], None]:
-    """One training step of a fresh model (loss, backward, AdamW) in a hand-written loop, with ``levers``."""
+    """One training step of a fresh model (loss, backward, AdamW) in a hand-written loop, with ``levers``: the
+    module's own loss function, so that the loop differs from the LightningModule's step only by Lightning."""
     from torch_handle.model import Transformer
+    from torch_handle.module import token_sums
 
     torch.manual_seed(0)
     model = Transformer(config).to(setting.device).train()
@@ -331,10 +333,11 @@ def _plain_model(config: Any, setting: Setting, levers: tuple[str, ...]) -> Call
     fused = "foreach" not in levers
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused or None, foreach=None if fused else True)
 
-    def loss_of(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), label_smoothing=0.1)
+    sums = torch.compile(token_sums) if "loss" in levers else token_sums
 
-    loss_fn = torch.compile(loss_of) if "loss" in levers else loss_of
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:  # the module's loss, per target token
+        loss_sum, _, tokens = sums(logits, labels, config.pad_id, 0.1)
+        return loss_sum / tokens
 
     def step(batch: dict[str, torch.Tensor]) -> None:
         with setting.autocast():
