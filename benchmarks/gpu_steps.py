@@ -322,8 +322,8 @@ def _lightning_step(
 def _plain_model(config: Any, setting: Setting, levers: tuple[str, ...]) -> Callable[[dict[str, torch.Tensor]], None]:
     """One training step of a fresh model (loss, backward, AdamW) in a hand-written loop, with ``levers``: the
     module's own loss function, so that the loop differs from the LightningModule's step only by Lightning."""
+    from torch_handle.loss import token_sums
     from torch_handle.model import Transformer
-    from torch_handle.module import token_sums
 
     torch.manual_seed(0)
     model = Transformer(config).to(setting.device).train()

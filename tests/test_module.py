@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torch_handle import module as module_file
+from torch_handle import loss as loss_file
 from torch_handle.data import PAD_ID, TranslationDataModule
 from torch_handle.model import TransformerConfig, generate
 from torch_handle.module import Seq2SeqModule
@@ -241,7 +241,7 @@ def test_compile_compiles_each_layer_once_and_stays_out_of_the_checkpoint(
     compiled: list[object] = []
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, *args, **kwargs: compiled.append(self))
     monkeypatch.setattr(torch, "compile", lambda fn, *args, **kwargs: compiled.append(fn) or fn)
-    module_file._compiled_token_sums.cache_clear()
+    loss_file.compiled_token_sums.cache_clear()
     datamodule = TranslationDataModule(demo_size=300, bpe_vocab_size=300, max_tokens=1024)
     config = TransformerConfig(**{**TINY.to_dict(), "num_encoder_layers": 2})
     module = Seq2SeqModule(config, vocab_size=datamodule.vocab_size, generate_every_n_val_epochs=0, compile=True)
@@ -251,8 +251,8 @@ def test_compile_compiles_each_layer_once_and_stays_out_of_the_checkpoint(
     )  # fmt: skip
     trainer.fit(module, datamodule=datamodule)
     trainer.validate(module, datamodule=datamodule, verbose=False)  # configure_model again: nothing more compiles
-    assert compiled == [*module.model.encoder_layers, *module.model.decoder_layers, module_file.token_sums]
-    module_file._compiled_token_sums.cache_clear()
+    assert compiled == [*module.model.encoder_layers, *module.model.decoder_layers, loss_file.token_sums]
+    loss_file.compiled_token_sums.cache_clear()
     assert "compile" not in module.hparams
 
 
@@ -263,8 +263,8 @@ def test_the_compiled_loss_equals_the_eager_one_with_its_gradient() -> None:
     logits = torch.randn(2, 5, VOCAB, requires_grad=True)
     labels = torch.randint(3, VOCAB, (2, 5))
     labels[1, 3:] = PAD_ID
-    eager = module_file.token_sums(logits, labels, PAD_ID, 0.1)
-    compiled = module_file._compiled_token_sums()(logits, labels, PAD_ID, 0.1)
+    eager = loss_file.token_sums(logits, labels, PAD_ID, 0.1)
+    compiled = loss_file.compiled_token_sums()(logits, labels, PAD_ID, 0.1)
     for got, want in zip(compiled, eager, strict=True):
         torch.testing.assert_close(got, want)
     (want_grad,) = torch.autograd.grad(eager[0], logits)

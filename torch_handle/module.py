@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -23,8 +21,10 @@ from typing_extensions import override
 from torch_handle.data.resume import finish_saved_epoch
 from torch_handle.errors import SetupError
 from torch_handle.hierarchical import summarize
+from torch_handle.loss import compiled_token_sums, token_sums
 from torch_handle.metrics import ROUGE_KEYS, Rouge, bleu_signature
 from torch_handle.model import ConfigError, Transformer, TransformerConfig, generate
+from torch_handle.optim import parameter_groups, warmup_cosine
 from torch_handle.parallel import (
     CONTEXT_PARALLEL,
     DATA_PARALLEL,
@@ -48,27 +48,6 @@ def _percent(value: Tensor | dict[str, Tensor], prefix: str) -> dict[str, Tensor
     """BLEU (a tensor) or ROUGE (a dict) on the 0-100 scale that sacreBLEU and papers report."""
     scores = value if isinstance(value, dict) else {"bleu": value}
     return {f"{prefix}{name}": 100 * score.float() for name, score in scores.items()}
-
-
-def token_sums(logits: Tensor, labels: Tensor, pad: int, eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    """Label-smoothed loss and NLL, both summed over the targets that are not ``pad``, and their count.
-
-    One log-softmax serves both: smoothed loss = (1 - eps) * NLL + eps * mean over the vocabulary of -log p, as
-    ``F.cross_entropy(label_smoothing=eps)``.
-    """
-    labels = labels.reshape(-1)
-    log_probs = F.log_softmax(logits.float(), dim=-1).view(-1, logits.shape[-1])
-    keep = labels != pad
-    nll = F.nll_loss(log_probs, labels, ignore_index=pad, reduction="sum")
-    smooth = -(log_probs.mean(dim=-1) * keep).sum()
-    return (1 - eps) * nll + eps * smooth, nll, keep.sum()
-
-
-@functools.cache
-def _compiled_token_sums() -> Callable[..., tuple[Tensor, Tensor, Tensor]]:
-    """:func:`token_sums` compiled (``--model.compile true``): its passes over the ``(tokens, vocabulary)`` logits fuse,
-    4% of an H100 step of the ~400M model and 2.9 GiB (benchmarks/RESULTS.md, gpu_suite)."""
-    return torch.compile(token_sums)
 
 
 class Seq2SeqModule(L.LightningModule):
@@ -199,7 +178,7 @@ class Seq2SeqModule(L.LightningModule):
 
     def _token_sums(self, logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Smoothed loss, NLL (both summed) and the token count of ``logits (B, T, V)`` against ``labels (B, T)``."""
-        sums = _compiled_token_sums() if self.use_compile else token_sums
+        sums = compiled_token_sums() if self.use_compile else token_sums
         return sums(logits, labels, self.config.pad_id, self.hparams.label_smoothing)
 
     def _pipelined(self, batch: dict[str, Any], scale: Tensor | float | None) -> tuple[Tensor, Tensor, Tensor]:
@@ -548,18 +527,7 @@ class Seq2SeqModule(L.LightningModule):
 
     @override
     def configure_optimizers(self) -> Any:
-        # Decay the matrices of linear layers only; chosen by module, not by ``dim()``, because FSDP hands this
-        # hook flattened 1-D views. Embeddings (also when tied to the output layer), norms and biases keep theirs.
-        embeddings = {id(m.weight) for m in self.model.modules() if isinstance(m, torch.nn.Embedding)}
-        matrices = {id(m.weight) for m in self.model.modules() if isinstance(m, torch.nn.Linear)} - embeddings
-        params = [p for p in self.parameters() if p.requires_grad]
-        decay = [p for p in params if id(p) in matrices]
-        no_decay = [p for p in params if id(p) not in matrices]
-        # The groups' names name their learning rates in the logs (``lr/decay``, ``lr/no_decay``).
-        groups = [
-            {"params": decay, "weight_decay": self.hparams.weight_decay, "name": "decay"},
-            {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
-        ]
+        groups = parameter_groups(self, self.hparams.weight_decay)
         # Fused AdamW (one kernel for every parameter) where the parameters live on a GPU and the strategy steps the
         # module's optimizer there (DeepSpeed steps its own flat partitions, on the CPU under offload), without an
         # fp16 loss scaler (the fused step would unscale the gradients after Lightning clipped them).
@@ -569,24 +537,18 @@ class Seq2SeqModule(L.LightningModule):
             and getattr(self.trainer.precision_plugin, "scaler", None) is None
         )
         optimizer = torch.optim.AdamW(groups, lr=self.hparams.lr, betas=self.hparams.betas, fused=fused or None)
-        # Linear warmup from lr / 1000, then cosine decay to min_lr_ratio * lr at the last step. The number of
-        # steps is read at the first step, not here: ``estimated_stepping_batches`` would build the train loader
-        # before a checkpoint is restored, and Lightning repositions only a loader it builds after restoring, so a
-        # resumed epoch would restart at batch 0. ``factor`` is a plain function: LambdaLR keeps it out of checkpoints.
-        hparams, trainer, start = self.hparams, self.trainer, 1e-3
+        # The number of steps is read at the first step, not here: ``estimated_stepping_batches`` would build the
+        # train loader before a checkpoint is restored, and Lightning repositions only a loader it builds after
+        # restoring, so a resumed epoch would restart at batch 0. ``factor`` is a plain function: LambdaLR keeps it
+        # out of checkpoints.
+        hparams, trainer = self.hparams, self.trainer
 
         @functools.cache
         def total() -> int:
             return max(int(trainer.estimated_stepping_batches), 1)
 
         def factor(step: int) -> float:
-            if step == 0:
-                return start
-            warmup = max(min(hparams.warmup_steps, total() - 1), 1)
-            if step < warmup:
-                return start + (1 - start) * step / warmup
-            progress = min((step - warmup) / max(total() - warmup, 1), 1.0)
-            return hparams.min_lr_ratio + (1 - hparams.min_lr_ratio) * (1 + math.cos(math.pi * progress)) / 2
+            return warmup_cosine(step, hparams.warmup_steps, total(), hparams.min_lr_ratio)
 
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "name": "lr"}}
