@@ -362,6 +362,18 @@ def test_user_error_is_one_line_and_writes_nothing(case: str, tmp_path: Path) ->
     assert not (tmp_path / "run").exists() and not (tmp_path / "pwned").exists()
 
 
+def test_an_abbreviated_option_is_refused_not_taken_for_the_full_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """argparse would read ``--trainer.max_step`` as ``--trainer.max_steps``: a typo must not pass for an option."""
+    with pytest.raises(SystemExit) as exit_info:
+        main([*_fit(tmp_path / "run", "--trainer.max_step=3"), *QUIET])
+    assert exit_info.value.code == 2
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("error: unrecognized arguments: --trainer.max_step=3 (see ") and "\n" not in line
+    assert not (tmp_path / "run").exists()
+
+
 def test_constructor_error_is_one_line_in_the_real_process(tmp_path: Path) -> None:
     """The real process: an error raised inside jsonargparse's instantiation prints one line, exit 1."""
     args = _fit(tmp_path / "run", f"--data.init_args.data_dir={tmp_path / 'nope'}")

@@ -171,3 +171,14 @@ def test_cli_predict_refuses_bad_exported_files_in_one_line(tmp_path: Path) -> N
         text = exit_info.value.code
         assert isinstance(text, str) and text.startswith("error: ") and "\n" not in text, f"{case}: {text}"
         assert message in text, f"{case}: {text}"
+
+
+def test_export_of_a_missing_checkpoint_is_one_line_and_writes_nothing(tmp_path: Path) -> None:
+    from torch_handle.export import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(tmp_path / "nosuch.ckpt"), str(tmp_path / "model.safetensors")])
+    assert exit_info.value.code == (
+        f"error: checkpoint {tmp_path / 'nosuch.ckpt'} does not exist: pass the path of an existing checkpoint"
+    )  # export takes the checkpoint as its first argument: no --ckpt_path to name
+    assert list(tmp_path.iterdir()) == []

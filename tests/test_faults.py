@@ -12,13 +12,14 @@ from pathlib import Path
 
 import lightning as L
 import pytest
+import safetensors.torch
 import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 from torch_handle.callbacks.checkpointing import Checkpoint
 from typing_extensions import override
 
 from tests.helpers import ROOT, STRATEGY_CONFIGS, cli, env, fit_args
-from torch_handle.atomic import atomic_write_text, lock_run_folder
+from torch_handle.atomic import atomic_path, atomic_write_text, lock_run_folder
 from torch_handle.checkpoints import CheckpointError
 from torch_handle.data.io import read_parallel
 from torch_handle.export import read_checkpoint
@@ -154,9 +155,13 @@ def test_written_files_follow_the_umask(tmp_path: Path) -> None:
     umask = os.umask(0o022)
     try:
         atomic_write_text(tmp_path / "tokenizer.json", "{}")
+        # safetensors writes its file anew, 0600 whatever the umask: the export still ends 0644
+        with atomic_path(tmp_path / "model.safetensors") as tmp:
+            safetensors.torch.save_file({"w": torch.zeros(2)}, tmp)
     finally:
         os.umask(umask)
     assert (tmp_path / "tokenizer.json").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "model.safetensors").stat().st_mode & 0o777 == 0o644
 
 
 def test_blank_lines_of_parallel_files_are_skipped_and_counted(

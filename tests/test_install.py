@@ -15,7 +15,7 @@ from conftest import CorpusServer
 
 from tests.helpers import ROOT, TINY_MODEL, env
 from torch_handle import __version__
-from torch_handle.cli import main
+from torch_handle.cli import config_path, main, shipped_configs
 
 UNSHIPPED = (".git", "build", "*.egg-info", "runs", "__pycache__", ".pytest_cache", ".ruff_cache")
 
@@ -90,6 +90,16 @@ def test_config_by_unknown_name_is_one_line(capsys: pytest.CaptureFixture[str]) 
         "fsdp2_tp, multi30k, pp, summarization, summarization_32k, summarization_cp, tp, zero1, zero2, zero3, "
         "zero3_offload)"
     )
+
+
+def test_a_folder_named_like_a_shipped_config_does_not_hide_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Run from where the run folder ``demo/`` or the data folder ``multi30k/`` lies, ``--config demo`` is still the
+    shipped config; a file of that name would win."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "demo").mkdir()
+    assert config_path("demo") == str(shipped_configs() / "demo.yaml")
+    (tmp_path / "mine").write_text("seed_everything: 1\n")
+    assert config_path("mine") == "mine"
 
 
 def test_zero_config_without_deepspeed_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -21,16 +21,19 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     """A temporary file in ``path``'s folder, renamed to ``path`` when the block ends without error.
 
     The file is flushed to disk (``fsync``) before the rename and the folder after it, so a crash or power cut
-    leaves the old file or the new one, never an empty one. It is created with the mode the umask gives
-    (``mkstemp`` would make it 0600, unreadable by the rest of a team). Beside the target, not under
-    ``$TMPDIR``: a rename within one file system is atomic, a move across two is a copy.
+    leaves the old file or the new one, never an empty one. It ends with the mode the umask gives (``mkstemp``
+    would make it 0600, unreadable by the rest of a team, and so does ``safetensors.save_file``, which writes the
+    file anew). Beside the target, not under ``$TMPDIR``: a rename within one file system is atomic, a move
+    across two is a copy.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
     os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    mode = tmp.stat().st_mode & 0o777  # 0o666 less the umask
     try:
         yield tmp
+        os.chmod(tmp, mode)
         _fsync(tmp)
         os.replace(tmp, path)
     except BaseException:

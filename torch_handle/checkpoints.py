@@ -55,7 +55,7 @@ def check_checkpoint(path: str | Path) -> Path:
     path = Path(path)
     recover_interrupted_save(path)
     if not path.exists():
-        raise CheckpointError(f"checkpoint {path} does not exist: pass an existing file with --ckpt_path")
+        raise CheckpointError(f"checkpoint {path} does not exist: pass the path of an existing checkpoint")
     if path.is_file() and not zipfile.is_zipfile(path):
         raise CheckpointError(f"{path} is not a checkpoint (not a torch.save archive): pass a .ckpt file")
     if path.is_file():

@@ -293,8 +293,9 @@ def shipped_configs() -> Path:
 
 
 def config_path(value: str) -> str:
-    """``--config`` takes a path or a shipped config's name (``demo``, ``zero2``, ``zero2.yaml``)."""
-    if os.path.exists(value):
+    """``--config`` takes a path or a shipped config's name (``demo``, ``zero2``, ``zero2.yaml``). A file of that
+    name wins; a folder does not (the run folder ``demo/`` or the data folder ``multi30k/`` beside the user)."""
+    if os.path.isfile(value):
         return value
     shipped = shipped_configs()
     for candidate in (shipped / value, shipped / f"{value}.yaml"):
@@ -341,7 +342,7 @@ def main(args: list[str] | None = None) -> None:
             subclass_mode_data=True,
             save_config_kwargs={"overwrite": True},
             parser_class=OneLineErrorParser,
-            parser_kwargs={"description": DESCRIPTION + names + "."},
+            parser_kwargs={"description": DESCRIPTION + names + ".", "allow_abbrev": False},
             args=with_config_paths(argv) if args is not None else None,
         )
     except Exception as err:
