@@ -16,13 +16,14 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from tests.helpers import comparable, full  # the launching test puts the checkout on PYTHONPATH
+from torch_handle.loss import token_sums
 from torch_handle.model import Transformer, TransformerConfig
-from torch_handle.parallel import apply_fully_shard, apply_tensor_parallel
+from torch_handle.parallel import apply_fully_shard, apply_tensor_parallel, sharded_logits, vocab_parallel_token_sums
 
 BASE = {
     "src_vocab_size": 48,
@@ -61,9 +62,12 @@ def batch(config: TransformerConfig, step: int, replica: int) -> tuple[torch.Ten
 
 
 def loss_of(model: Transformer, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
-    logits = model(src, tgt[:, :-1])
-    labels = tgt[:, 1:].flatten()
-    return F.cross_entropy(logits.flatten(0, 1), labels, ignore_index=model.config.pad_id, label_smoothing=0.1)
+    """The module's loss per target token; under tensor parallelism from logits split by vocabulary, as in training."""
+    with sharded_logits():
+        logits = model(src, tgt[:, :-1])
+    sums = vocab_parallel_token_sums if isinstance(logits, DTensor) else token_sums
+    loss_sum, _, tokens = sums(logits, tgt[:, 1:], model.config.pad_id, 0.1)
+    return loss_sum / tokens
 
 
 def run_case(name: str, overrides: dict, mesh: DeviceMesh) -> dict:
@@ -82,7 +86,8 @@ def run_case(name: str, overrides: dict, mesh: DeviceMesh) -> dict:
         for optimizer in optimizers:
             optimizer.zero_grad()
         loss = loss_of(model, *batch(config, step, dp.get_local_rank()))  # this replica's rows
-        loss.backward()
+        with loss_parallel():  # as the module's backward
+            loss.backward()
         # One process: the mean of every replica's loss, as data parallelism averages their gradients.
         want = sum(loss_of(reference, *batch(config, step, r)) for r in range(dp.size())) / dp.size()
         want.backward()

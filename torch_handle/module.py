@@ -14,6 +14,8 @@ from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info, rank_zero_warn
 from torch import Tensor
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 from torchmetrics.aggregation import MeanMetric
 from torchmetrics.text import SacreBLEUScore
 from typing_extensions import override
@@ -38,6 +40,8 @@ from torch_handle.parallel import (
     apply_tensor_parallel,
     build_mesh,
     check_context_parallel,
+    sharded_logits,
+    vocab_parallel_token_sums,
 )
 
 Task = Literal["translation", "summarization"]
@@ -170,14 +174,17 @@ class Seq2SeqModule(L.LightningModule):
         whole evaluation set), so every token weighs the same.
         """
         src, tgt = batch["src"], batch["tgt"]
-        if memory is None:
-            logits = self.model(src, tgt[:, :-1])  # (B, T, V)
-        else:
-            logits = self.model.decode(tgt[:, :-1], memory, self.model.memory_padding(src))
+        with sharded_logits():  # under tensor parallelism, the logits stay split by vocabulary for the loss
+            if memory is None:
+                logits = self.model(src, tgt[:, :-1])  # (B, T, V)
+            else:
+                logits = self.model.decode(tgt[:, :-1], memory, self.model.memory_padding(src))
         return self._token_sums(logits, tgt[:, 1:])
 
     def _token_sums(self, logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Smoothed loss, NLL (both summed) and the token count of ``logits (B, T, V)`` against ``labels (B, T)``."""
+        if isinstance(logits, DTensor):
+            return vocab_parallel_token_sums(logits, labels, self.config.pad_id, self.hparams.label_smoothing)
         sums = compiled_token_sums() if self.use_compile else token_sums
         return sums(logits, labels, self.config.pad_id, self.hparams.label_smoothing)
 
@@ -229,7 +236,7 @@ class Seq2SeqModule(L.LightningModule):
                 )
             stage = apply_pipeline_parallel(self.model, mesh[PIPELINE_PARALLEL], pipeline)
             if mesh[TENSOR_PARALLEL].size() > 1:  # each stage's heads and feed-forward units split in turn
-                apply_tensor_parallel(stage.model, mesh[TENSOR_PARALLEL])
+                apply_tensor_parallel(stage.model, mesh[TENSOR_PARALLEL], vocabulary=False)
             apply_fully_shard_stage(stage, mesh[DATA_PARALLEL])
             self._pipeline = Pipeline(stage, mesh[PIPELINE_PARALLEL], pipeline)
         elif mesh is not None:
@@ -493,7 +500,8 @@ class Seq2SeqModule(L.LightningModule):
     @override
     def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
         if self._pipeline is None:  # the pipeline's schedule ran the backward passes in training_step
-            super().backward(loss, *args, **kwargs)
+            with loss_parallel():  # the backward of a loss over vocabulary-split logits; no-op for plain tensors
+                super().backward(loss, *args, **kwargs)
 
     @override
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:

@@ -8,7 +8,12 @@ from torch_handle.parallel.context import ContextParallelTransformer, apply_cont
 from torch_handle.parallel.mesh import CONTEXT_PARALLEL, DATA_PARALLEL, PIPELINE_PARALLEL, TENSOR_PARALLEL, build_mesh
 from torch_handle.parallel.pipeline import Pipeline, PipelineConfig, apply_pipeline_parallel
 from torch_handle.parallel.sharding import apply_fully_shard, apply_fully_shard_stage
-from torch_handle.parallel.tensor import TensorParallelAttention, apply_tensor_parallel
+from torch_handle.parallel.tensor import (
+    TensorParallelAttention,
+    apply_tensor_parallel,
+    sharded_logits,
+    vocab_parallel_token_sums,
+)
 
 __all__ = [
     "CONTEXT_PARALLEL",
@@ -26,4 +31,6 @@ __all__ = [
     "apply_tensor_parallel",
     "build_mesh",
     "check_context_parallel",
+    "sharded_logits",
+    "vocab_parallel_token_sums",
 ]

@@ -3,10 +3,16 @@
 Each attention layer keeps ``num_heads / tp`` heads per rank and each feed-forward ``d_ff / tp`` hidden units: the
 first matrix of a block is split by output columns (query/key/value heads, ``linear1``'s units), the second by input
 rows (``out_proj``, ``linear2``), so a block needs one all-reduce forward (after its second matrix) and one backward
-(of its input's gradient), Megatron's ``g`` and ``f``. Everything else (embeddings, tied output layer, LayerNorms) is
-replicated: at our vocabularies (8k-32k tokens) the embedding is a few percent of a large model, replicated logits
-keep label smoothing, beam search and the metrics unchanged, and a tied table would have to be split the same way
-for lookup and projection.
+(of its input's gradient), Megatron's ``g`` and ``f``.
+
+The vocabulary is split too, as Megatron and torchtitan split it: each rank holds ``1/tp`` of the rows of the
+embedding tables and of the output layer (one tied matrix stays one parameter, its lookup and its projection split the
+same way), so a lookup is summed over the ranks and the logits come out split by vocabulary. Inside
+:func:`sharded_logits` they stay split and the loss is computed on the shards (:func:`vocab_parallel_token_sums`,
+PyTorch's ``loss_parallel``): no rank holds the ``(tokens, vocabulary)`` logits whole. Elsewhere (decoding, beam search,
+the metrics) they are gathered, so everything downstream sees the usual tensor. Pipeline stages keep their tables
+whole: the tied table's gradient is summed between the first and the last stage (``Pipeline.sync_tied_grads``), which
+a split would have to follow. LayerNorms and positions are replicated.
 
 Every parameter becomes a DTensor on the mesh (sharded or ``Replicate``), so ``state_dict``, gradient clipping,
 ``torch.distributed.checkpoint`` and FSDP2 see one model with its global shapes and names. The packed query/key/value
@@ -20,12 +26,16 @@ regions (Lightning seeds all ranks alike, and the sharded regions draw equally m
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from torch_handle.errors import SetupError
@@ -37,6 +47,70 @@ from torch_handle.model.masks import MaskSpec
 HEADS = _StridedShard(0, split_factor=3)
 """The packed ``(3C, C)`` query/key/value weight as three ``(C, C)`` matrices, each split by heads: rank ``r`` holds
 ``[q_r; k_r; v_r]``. FSDP2 shards such a weight on dim 1 (:mod:`torch_handle.parallel.sharding`)."""
+
+
+_SHARDED_LOGITS: ContextVar[bool] = ContextVar("sharded_logits", default=False)
+
+
+@contextmanager
+def sharded_logits() -> Iterator[None]:
+    """Within it, a vocabulary-split output layer returns its logits as a DTensor split by vocabulary, for
+    :func:`vocab_parallel_token_sums`; outside, it gathers them (decoding and metrics need whole rows)."""
+    token = _SHARDED_LOGITS.set(True)
+    try:
+        yield
+    finally:
+        _SHARDED_LOGITS.reset(token)
+
+
+def vocab_parallel_token_sums(logits: DTensor, labels: Tensor, pad: int, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`torch_handle.loss.token_sums` of logits split by vocabulary, without gathering them: the same
+    smoothed loss and NLL (summed over the targets that are not ``pad``) and their count, as plain tensors.
+
+    The NLL is PyTorch's ``loss_parallel`` cross entropy. Its log-softmax backward passes the gradient through as the
+    cross entropy's own (softmax minus one-hot), so the smoothing term cannot reuse that log-softmax: it is computed
+    apart, as ``logsumexp - mean of the logits`` per token, from DTensor reductions over the split vocabulary.
+    """
+    labels = labels.reshape(-1)
+    flat = logits.float().view(-1, logits.shape[-1])
+    keep = labels != pad
+    shift = flat.detach().amax(dim=-1, keepdim=True)  # cancels out; keeps exp() finite
+    logsumexp = (flat - shift).exp().sum(dim=-1).log() + shift.squeeze(-1)
+    weights = DTensor.from_local(keep.to(flat.dtype), flat.device_mesh, [Replicate()], run_check=False)
+    smooth = ((logsumexp - flat.mean(dim=-1)) * weights).sum()
+    with loss_parallel():
+        nll = F.cross_entropy(flat, labels, ignore_index=pad, reduction="sum")
+    return ((1 - eps) * nll + eps * smooth).to_local(), nll.to_local(), keep.sum()
+
+
+def _shard_vocabulary(model: Transformer, mesh: DeviceMesh) -> None:
+    """Splits the rows of the embedding tables and the output layer over the ranks (see the module's docstring)."""
+    shared: dict[int, nn.Parameter] = {}
+
+    def split(module: nn.Module) -> None:
+        weight = module.weight
+        if id(weight) not in shared:
+            shared[id(weight)] = nn.Parameter(distribute_tensor(weight.data, mesh, [Shard(0)]))
+        module.weight = shared[id(weight)]
+
+    def keep(name: str, module: nn.Module, mesh: DeviceMesh) -> None:  # the weight is split already
+        pass
+
+    def replicated(module: nn.Module, args: tuple, mesh: DeviceMesh) -> tuple:
+        return (DTensor.from_local(args[0], mesh, [Replicate()], run_check=False), *args[1:])
+
+    def summed(module: nn.Module, out: DTensor, mesh: DeviceMesh) -> Tensor:  # each rank looked up its own rows
+        return out.redistribute(mesh, [Replicate()]).to_local()
+
+    def logits(module: nn.Module, out: DTensor, mesh: DeviceMesh) -> Tensor:
+        return out if _SHARDED_LOGITS.get() else out.full_tensor()
+
+    for embed in {id(m): m for m in (model.src_embed, model.tgt_embed) if m is not None}.values():
+        split(embed)
+        distribute_module(embed, mesh, keep, replicated, summed)
+    if model.lm_head is not None:
+        split(model.lm_head)
+        distribute_module(model.lm_head, mesh, keep, replicated, logits)
 
 
 def _enter_parallel_region(x: Tensor, mesh: DeviceMesh) -> Tensor:
@@ -96,8 +170,9 @@ def _replicate(module: nn.Module, mesh: DeviceMesh, shared: dict[int, nn.Paramet
     distribute_module(module, mesh, partition, inputs, outputs)
 
 
-def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh) -> Transformer:
-    """Splits ``model``'s attention heads and feed-forward units over the ranks of the 1-D ``mesh``, in place.
+def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, vocabulary: bool = True) -> Transformer:
+    """Splits ``model``'s attention heads and feed-forward units over the ranks of the 1-D ``mesh``, in place, and
+    with ``vocabulary`` its embedding tables and output layer by vocabulary rows (a pipeline stage passes False).
 
     Raises:
         SetupError: The heads or the feed-forward width do not divide by the mesh size.
@@ -108,6 +183,8 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh) -> Transformer:
             f"tensor_parallel_size={tp} must divide transformer.num_heads ({c.num_heads}) and transformer.d_ff "
             f"({c.d_ff}): choose a tensor_parallel_size that divides both"
         )
+    if vocabulary:
+        _shard_vocabulary(model, mesh)
     shared: dict[int, nn.Parameter] = {}
     for module in list(model.modules()):
         if isinstance(module, MultiHeadAttention):
