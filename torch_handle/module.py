@@ -545,10 +545,8 @@ class Seq2SeqModule(L.LightningModule):
             and getattr(self.trainer.precision_plugin, "scaler", None) is None
         )
         optimizer = torch.optim.AdamW(groups, lr=self.hparams.lr, betas=self.hparams.betas, fused=fused or None)
-        # The number of steps is read at the first step, not here: ``estimated_stepping_batches`` would build the
-        # train loader before a checkpoint is restored, and Lightning repositions only a loader it builds after
-        # restoring, so a resumed epoch would restart at batch 0. ``factor`` is a plain function: LambdaLR keeps it
-        # out of checkpoints.
+        # The number of steps is read at the first step, not here (see warmup_cosine). ``factor`` is a plain
+        # function: LambdaLR keeps it out of checkpoints.
         hparams, trainer = self.hparams, self.trainer
 
         @functools.cache
@@ -556,7 +554,7 @@ class Seq2SeqModule(L.LightningModule):
             return max(int(trainer.estimated_stepping_batches), 1)
 
         def factor(step: int) -> float:
-            return warmup_cosine(step, hparams.warmup_steps, total(), hparams.min_lr_ratio)
+            return warmup_cosine(step, hparams.warmup_steps, total, hparams.min_lr_ratio)
 
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "name": "lr"}}

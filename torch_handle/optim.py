@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -24,13 +25,21 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, An
     ]
 
 
-def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float, start: float = 1e-3) -> float:
+def warmup_cosine(
+    step: int, warmup_steps: int, total_steps: Callable[[], int], min_lr_ratio: float, start: float = 1e-3
+) -> float:
     """The learning rate at ``step`` as a fraction of the peak: from ``start`` linearly up to 1 over the warmup (at
-    most ``total_steps - 1`` steps), then down a half cosine to ``min_lr_ratio`` at ``total_steps``."""
+    most ``total_steps() - 1`` steps), then down a half cosine to ``min_lr_ratio`` at ``total_steps()``.
+
+    ``total_steps`` is called only past step 0: LambdaLR asks for step 0 when it is built, in
+    ``configure_optimizers``, and counting the steps there (``estimated_stepping_batches``) would build the train
+    loader before a checkpoint is restored, so a resumed epoch would restart at its first batch.
+    """
     if step == 0:
         return start
-    warmup = max(min(warmup_steps, total_steps - 1), 1)
+    total = total_steps()
+    warmup = max(min(warmup_steps, total - 1), 1)
     if step < warmup:
         return start + (1 - start) * step / warmup
-    progress = min((step - warmup) / max(total_steps - warmup, 1), 1.0)
+    progress = min((step - warmup) / max(total - warmup, 1), 1.0)
     return min_lr_ratio + (1 - min_lr_ratio) * (1 + math.cos(math.pi * progress)) / 2
