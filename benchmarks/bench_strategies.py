@@ -64,6 +64,15 @@ CASES = {
     "tp": ("tp", []),
     "fsdp2_tp": ("fsdp2_tp", []),
     "pp": ("pp", []),
+    # Two stages per process (encoder layers 0-1 and 2-3 on stages 0 and 1, the decoder's on 2 and 3): the
+    # interleaved schedule's bubble is half 1F1B's, for twice the activations sent.
+    "pp, interleaved": (
+        "pp",
+        [
+            "--trainer.strategy.init_args.pipeline_schedule=interleaved_1f1b",
+            "--trainer.strategy.init_args.stages_per_rank=2",
+        ],
+    ),
 }
 WORLD = 2
 PROCESSES = {"fsdp2_tp": 4}  # the 2-D mesh, 2 x 2: two FSDP2 replicas of two tensor-parallel ranks
@@ -473,8 +482,10 @@ def main() -> None:
             "norms, output-projection biases): 16 (f/N + 1 - f); FSDP2 over tensor parallelism (`fsdp2_tp`) shards "
             "a rank's share once more over the dp replicas: 16 (f/(dp tp) + (1 - f)/dp). A pipeline stage (`pp`: "
             "the encoder on rank 0, the "
-            "decoder on rank 1, 4 micro-batches by 1F1B) holds a share s of the parameters, its layers and the "
-            "embeddings or output layer it runs (the tied embedding on both): 16 s. The mixed-precision column is "
+            "decoder on rank 1, 4 micro-batches by 1F1B; `pp, interleaved`: 4 stages of 2 layers by interleaved "
+            "1F1B, rank 0 holding stages 0 and 2, rank 1 stages 1 and 3) holds a share s of the parameters, its "
+            "layers and the embeddings or output layer it runs (the tied embedding on both): 16 s. The "
+            "mixed-precision column is "
             "the ZeRO paper's (2-byte parameters and gradients, 12 bytes of fp32 master, m and v), for "
             "comparison only: it does not apply to these runs. Activations are the bytes of the distinct storages "
             "autograd keeps for the backward pass of the measured step, parameters left out (also as FSDP gathers or "

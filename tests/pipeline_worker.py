@@ -1,13 +1,13 @@
 """One rank of the pipeline-parallel equality checks; ``tests/test_pipeline.py`` launches it with torchrun on a
 ``(data_parallel, pipeline_parallel)`` mesh.
 
-For each case and schedule every rank builds the same model, keeps its stage (FSDP2 over the data-parallel
-dimension, as the LightningModule does, also on one replica), and trains it beside a single-process copy of the
-whole model, which sees every replica's batches, for a few AdamW steps of two accumulated batches each. Each step
-records the largest absolute difference of the loss and of every gradient the stage holds (gathered to its full
-shape), after the tied embedding's gradients are summed across stages and the gradients clipped by their global
-norm; after the last step, of the weights. Rank 0 gathers every rank's figures and writes them as JSON lines to the
-path in argv[1].
+For each case and schedule every rank builds the same model, keeps its stages (two under interleaved 1F1B; FSDP2 over
+the data-parallel dimension, as the LightningModule does, also on one replica), and trains it beside a single-process
+copy of the whole model, which sees every replica's batches, for a few AdamW steps of two accumulated batches each. Each
+step records the largest absolute difference of the loss and of every gradient the rank holds (gathered to its full
+shape), after the tied embedding's gradients are summed across stages and the gradients clipped by their global norm;
+after the last step, of the weights. Rank 0 gathers every rank's figures and writes them as JSON lines to the path in
+argv[1].
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from tests.helpers import comparable, full  # the launching test puts the checkout on PYTHONPATH
 from torch_handle.model import Transformer, TransformerConfig
-from torch_handle.parallel import Pipeline, PipelineConfig, apply_fully_shard_stage, apply_pipeline_parallel
+from torch_handle.parallel import Pipeline, PipelineConfig, apply_fully_shard_stages, apply_pipeline_parallel
 
 BASE = {
     "src_vocab_size": 48,
@@ -47,7 +47,8 @@ CASES = {
     "post-ln-learned-tied-untied-vocab": {"norm_first": False, "position": "learned", "tie_embeddings": True,
                                           "src_vocab_size": 40},
 }  # fmt: skip
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2}
 MICROBATCHES = 4
 ACCUMULATE = 2  # batches per optimizer step, each one schedule step
 
@@ -78,11 +79,12 @@ def run_case(name: str, overrides: dict, schedule: str, mesh: DeviceMesh) -> dic
     model = Transformer(config).train()
     reference = copy.deepcopy(model)
     dp, pp = mesh["data_parallel"], mesh["pipeline_parallel"]
-    stage = apply_pipeline_parallel(model, pp, PipelineConfig(schedule, MICROBATCHES))
-    apply_fully_shard_stage(stage, dp)  # as the LightningModule does, on one replica too
-    pipeline = Pipeline(stage, pp, PipelineConfig(schedule, MICROBATCHES))
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (stage, reference)]
-    result: dict = {"case": f"{name}/{schedule}", "stage": pp.get_local_rank(), "loss": [], "grad": []}
+    pipeline_config = PipelineConfig(schedule, MICROBATCHES, STAGES_PER_RANK[schedule])
+    stages = apply_pipeline_parallel(model, pp, pipeline_config)
+    apply_fully_shard_stages(stages, dp)  # as the LightningModule does, on one replica too
+    pipeline = Pipeline(stages, pp, pipeline_config)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, reference)]
+    result: dict = {"case": f"{name}/{schedule}", "stages": [s.plan.index for s in stages], "loss": [], "grad": []}
     result["grad_scale"] = 0.0
     for step in range(STEPS):
         for optimizer in optimizers:
@@ -112,14 +114,14 @@ def run_case(name: str, overrides: dict, schedule: str, mesh: DeviceMesh) -> dic
         result["loss"].append(abs(float(got) / tokens - float(want.detach())))
         reference_params = dict(reference.named_parameters())
         differences = []
-        for key, param in stage.model.named_parameters():
+        for key, param in model.named_parameters():
             differences.append(float((full(param.grad) - reference_params[key].grad).abs().max()))
             result["grad_scale"] = max(result["grad_scale"], float(reference_params[key].grad.abs().max()))
         result["grad"].append(max(differences))
         for optimizer in optimizers:
             optimizer.step()
     want_state = reference.state_dict()
-    state = stage.model.state_dict()
+    state = model.state_dict()
     result["weights"] = max(
         float((comparable(k, full(v)) - comparable(k, want_state[k])).abs().max()) for k, v in state.items()
     )

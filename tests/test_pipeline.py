@@ -18,7 +18,7 @@ from tests.helpers import (
     logged,
     torchrun_results,
 )
-from tests.pipeline_worker import BASE, CASES, SCHEDULES, STEPS
+from tests.pipeline_worker import BASE, CASES, SCHEDULES, STAGES_PER_RANK, STEPS
 from torch_handle.errors import SetupError
 from torch_handle.model import Transformer, TransformerConfig
 from torch_handle.parallel import PipelineConfig, apply_pipeline_parallel
@@ -47,11 +47,12 @@ def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
 def test_pipeline_stages_train_as_one_process(case: str, schedule: str, results: dict[str, Any]) -> None:
     """Post-LN and pre-LN, tied embeddings (a copy on the first stage and the last), every position type, local
     attention, pooled memory carried to the decoder stage, padding in source and target, rows that do not divide
-    into the micro-batches, clipping by the global norm: equal losses, gradients and weights, step by step, for GPipe
-    and 1F1B, alone and under FSDP2."""
+    into the micro-batches, clipping by the global norm: equal losses, gradients and weights, step by step, for GPipe,
+    1F1B and interleaved 1F1B (two stages per process), alone and under FSDP2."""
     dp, pp = results["mesh"]
     ranks = results[f"{case}/{schedule}"]
-    assert sorted(r["stage"] for r in ranks) == sorted(list(range(pp)) * dp)
+    stages = pp * STAGES_PER_RANK[schedule]
+    assert sorted(i for r in ranks for i in r["stages"]) == sorted(list(range(stages)) * dp)
     for r in ranks:
         assert len(r["loss"]) == len(r["grad"]) == STEPS
         assert max(r["loss"]) <= TOLERANCE
@@ -91,19 +92,30 @@ class _Mesh:
 
 
 @pytest.mark.parametrize(
-    ("stages", "microbatches", "line"),
+    ("processes", "config", "line"),
     [
-        (3, 4, "pipeline_parallel_size=3 exceeds the 2 encoder and decoder layers: every stage needs one; choose a "
-         "pipeline_parallel_size of at most the layer count"),
-        (2, 1, "microbatches=1 is fewer than the 2 pipeline stages, which would sit idle: set "
+        (5, PipelineConfig(microbatches=5), "pipeline_parallel_size=5 x stages_per_rank=1 stages exceed the 4 encoder "
+         "and decoder layers: every stage needs one; choose fewer stages"),
+        (2, PipelineConfig("interleaved_1f1b", 4, 3), "pipeline_parallel_size=2 x stages_per_rank=3 stages exceed the "
+         "4 encoder and decoder layers: every stage needs one; choose fewer stages"),
+        (2, PipelineConfig(microbatches=1), "microbatches=1 cannot keep the 2 pipeline processes busy: set "
          "--trainer.strategy.init_args.microbatches to at least pipeline_parallel_size"),
+        (2, PipelineConfig("interleaved_1f1b", 3, 2), "microbatches=3 cannot keep the 2 pipeline processes busy: "
+         "set --trainer.strategy.init_args.microbatches to a multiple of pipeline_parallel_size"),
+        (2, PipelineConfig("interleaved_1f1b"), "pipeline_schedule=interleaved_1f1b with stages_per_rank=1: "
+         "interleaved_1f1b runs several stages per process and the other schedules one; set "
+         "--trainer.strategy.init_args.stages_per_rank 2 (or more) with interleaved_1f1b, 1 otherwise"),
+        (2, PipelineConfig("1f1b", 4, 2), "pipeline_schedule=1f1b with stages_per_rank=2: interleaved_1f1b runs "
+         "several stages per process and the other schedules one; set --trainer.strategy.init_args.stages_per_rank "
+         "2 (or more) with interleaved_1f1b, 1 otherwise"),
     ],
-    ids=["more-stages-than-layers", "fewer-microbatches-than-stages"],
+    ids=["more-stages-than-layers", "more-virtual-stages-than-layers", "fewer-microbatches-than-processes",
+         "microbatches-not-a-multiple-under-interleaving", "interleaving-one-stage", "several-stages-not-interleaved"],
 )  # fmt: skip
-def test_a_pipeline_that_cannot_fill_its_stages_is_one_line(stages: int, microbatches: int, line: str) -> None:
-    model = Transformer(TransformerConfig(d_model=16, num_heads=2, d_ff=8, num_encoder_layers=1, num_decoder_layers=1))
+def test_a_pipeline_that_cannot_fill_its_stages_is_one_line(processes: int, config: PipelineConfig, line: str) -> None:
+    model = Transformer(TransformerConfig(d_model=16, num_heads=2, d_ff=8, num_encoder_layers=2, num_decoder_layers=2))
     with pytest.raises(SetupError) as err:
-        apply_pipeline_parallel(model, _Mesh(stages), PipelineConfig(microbatches=microbatches))  # type: ignore[arg-type]
+        apply_pipeline_parallel(model, _Mesh(processes), config)  # type: ignore[arg-type]
     assert str(err.value) == line
 
 
@@ -156,6 +168,28 @@ def test_two_pipeline_stages_train_as_one_process(tmp_path: Path) -> None:
     assert any(not torch.equal(want[name], w) for name, w in step2.items())
 
 
+INTERLEAVED = (
+    "--trainer.strategy.init_args.pipeline_schedule", "interleaved_1f1b",
+    "--trainer.strategy.init_args.stages_per_rank", "2",
+    "--model.transformer.num_encoder_layers", "2",
+    "--model.transformer.num_decoder_layers", "2",
+)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_interleaved_stages_train_as_one_process(tmp_path: Path) -> None:
+    """Two stages on each of two processes (encoder layers 0 and 1 on stages 0 and 1, decoder layers on 2 and 3;
+    process 0 holds stages 0 and 2): 4 steps end with one process's weights, and the step-2 shards continue on one
+    process to the same end."""
+    check(cli(_pp_args(tmp_path / "one", 1, *ONE_STAGE, *INTERLEAVED[4:])))
+    check(cli(_pp_args(tmp_path / "two", 2, *INTERLEAVED)))
+    shards = tmp_path / "two" / "checkpoints" / "epoch=0-step=2.ckpt"
+    check(cli(_pp_args(tmp_path / "resumed", 1, *ONE_STAGE, *INTERLEAVED[4:], "--ckpt_path", str(shards))))
+    want = checkpoint_weights(tmp_path / "one")
+    for run in ("two", "resumed"):
+        assert_weights_close(want, checkpoint_weights(tmp_path / run), run)
+
+
 @pytest.mark.slow
 def test_a_pipeline_run_resumes_exactly(pp_run: Path, tmp_path: Path) -> None:
     """Resumed from the step-2 shards (each stage reads its weights and AdamW state by name, every rank's random
@@ -176,6 +210,16 @@ def test_stages_that_do_not_divide_the_processes_are_one_line(tmp_path: Path) ->
         "pipeline_parallel_size that divides them"
     )
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_interleaving_one_stage_per_process_is_one_line_before_the_run_folder(tmp_path: Path) -> None:
+    run = cli(_pp_args(tmp_path, 2, *INTERLEAVED[:2]))
+    assert run.returncode != 0 and run.stderr.strip().splitlines()[-1] == (
+        "error: pipeline_schedule=interleaved_1f1b with stages_per_rank=1: interleaved_1f1b runs several stages per "
+        "process and the other schedules one; set --trainer.strategy.init_args.stages_per_rank 2 (or more) with "
+        "interleaved_1f1b, 1 otherwise"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock"]
 
 
 @pytest.mark.slow

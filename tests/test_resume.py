@@ -153,6 +153,12 @@ def weights(root: Path) -> dict[str, torch.Tensor]:
     return read_checkpoint(root / "checkpoints" / "last.ckpt")[0]
 
 
+def logging_step(root: Path) -> int:
+    """The step TensorBoard's curves are drawn against, as the run ended (Lightning's ``_batches_that_stepped``)."""
+    state = torch.load(root / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    return state["loops"]["fit_loop"]["epoch_loop.state_dict"]["_batches_that_stepped"]
+
+
 def batches_run(root: Path) -> int:
     return sum(len(path.read_text().splitlines()) for path in root.glob("losses.rank*.txt"))
 
@@ -174,6 +180,7 @@ def test_sigkill_and_sigterm_mid_epoch_resume_bit_identically_with_dropout(devic
     assert batches_run(killed) - before == total - SAVE_EVERY * devices  # resumed at step 5, not from scratch
     for name, tensor in want.items():
         assert torch.equal(weights(killed)[name], tensor), name
+    assert logging_step(killed) == logging_step(reference)
 
     # SIGTERM at step 8: every process saves at the end of that step, then the job exits 143 with one line.
     preempted = tmp_path / "preempted"
@@ -186,6 +193,7 @@ def test_sigkill_and_sigterm_mid_epoch_resume_bit_identically_with_dropout(devic
     assert batches_run(preempted) == total  # steps 1-8 once, then 9 on: nothing repeated, nothing skipped
     for name, tensor in want.items():
         assert torch.equal(weights(preempted)[name], tensor), name
+    assert logging_step(preempted) == logging_step(reference)
 
 
 @pytest.mark.slow
@@ -193,7 +201,8 @@ def test_sigkill_and_sigterm_mid_epoch_resume_bit_identically_with_dropout(devic
 def test_resume_from_an_epoch_end_checkpoint_trains_the_next_epoch_exactly(until: list[str], tmp_path: Path) -> None:
     """The demo saves its checkpoints at validation's end, after an epoch's last batch. Lightning resumed a run
     with ``max_steps`` from one as if that epoch were still running (its issue #19617): it counted an extra epoch,
-    so with ``max_epochs`` 2 it trained nothing, and the sampler dealt the wrong epoch's order."""
+    so with ``max_epochs`` 2 it trained nothing, and the sampler dealt the wrong epoch's order; and with the epoch
+    marked complete, Lightning counted the saved step once more for the loggers."""
 
     def args(root: Path) -> list[str]:
         epochly = ["--checkpoint.every_n_train_steps", "0", "--checkpoint.every_n_epochs", "1"]
@@ -211,6 +220,7 @@ def test_resume_from_an_epoch_end_checkpoint_trains_the_next_epoch_exactly(until
         assert torch.equal(weights(resumed)[name], tensor), name
     names = [{path.name for path in (run / "checkpoints").glob("epoch=*.ckpt")} for run in (reference, resumed)]
     assert names[1] <= names[0]  # "epoch=1-step=30.ckpt", not "epoch=2-...": the epoch count is the reference's
+    assert logging_step(resumed) == logging_step(reference)  # TensorBoard's x-axis too
 
 
 def test_configure_optimizers_leaves_the_train_loader_to_the_fit_loop() -> None:

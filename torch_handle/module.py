@@ -35,7 +35,7 @@ from torch_handle.parallel import (
     Pipeline,
     apply_context_parallel,
     apply_fully_shard,
-    apply_fully_shard_stage,
+    apply_fully_shard_stages,
     apply_pipeline_parallel,
     apply_tensor_parallel,
     build_mesh,
@@ -144,7 +144,7 @@ class Seq2SeqModule(L.LightningModule):
         self.eval_metrics = torch.nn.ModuleDict({stage: self._new_metrics(stage) for stage in ("val", "test")})
         self._decoded: set[str] = set()  # stages that decoded in their current epoch
         self._parallelized = False  # configure_model applied the parallelisation plans
-        self._pipeline: Pipeline | None = None  # this process's pipeline stage, under pipeline parallelism
+        self._pipeline: Pipeline | None = None  # this process's pipeline stages, under pipeline parallelism
 
     def _new_metrics(self, stage: str) -> torch.nn.ModuleDict:
         """Per-token smoothed objective and NLL (token-weighted means, summed over ranks), and BLEU or ROUGE."""
@@ -234,11 +234,11 @@ class Seq2SeqModule(L.LightningModule):
                     f"--model.generate_every_n_val_epochs={every}: a pipeline cannot run beam search (test and predict "
                     "decode with every process as a replica): set --model.generate_every_n_val_epochs 0"
                 )
-            stage = apply_pipeline_parallel(self.model, mesh[PIPELINE_PARALLEL], pipeline)
+            stages = apply_pipeline_parallel(self.model, mesh[PIPELINE_PARALLEL], pipeline)
             if mesh[TENSOR_PARALLEL].size() > 1:  # each stage's heads and feed-forward units split in turn
-                apply_tensor_parallel(stage.model, mesh[TENSOR_PARALLEL], vocabulary=False)
-            apply_fully_shard_stage(stage, mesh[DATA_PARALLEL])
-            self._pipeline = Pipeline(stage, mesh[PIPELINE_PARALLEL], pipeline)
+                apply_tensor_parallel(self.model, mesh[TENSOR_PARALLEL], vocabulary=False)
+            apply_fully_shard_stages(stages, mesh[DATA_PARALLEL])
+            self._pipeline = Pipeline(stages, mesh[PIPELINE_PARALLEL], pipeline)
         elif mesh is not None:
             if mesh[TENSOR_PARALLEL].size() > 1:
                 apply_tensor_parallel(self.model, mesh[TENSOR_PARALLEL])
@@ -269,7 +269,8 @@ class Seq2SeqModule(L.LightningModule):
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        finish_saved_epoch(checkpoint)  # a run with max_steps resumed at an epoch's end trains the right next one
+        # A run with max_steps resumed at an epoch's end trains the right next one, on the right logging step.
+        finish_saved_epoch(checkpoint, iteration_based=self.trainer.max_steps != -1)
 
     @override
     def on_train_start(self) -> None:

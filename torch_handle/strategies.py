@@ -281,15 +281,20 @@ class ModelParallelStrategy(_SafeFolders, _LightningModelParallelStrategy):
     ``data_parallel_size``; their product is the number of processes. Takes Lightning's arguments, and:
 
     Args:
-        pipeline_parallel_size: Pipeline stages (1 = none): encoder then decoder layers cut into contiguous stages,
-            one per process; batches split into ``microbatches`` that flow through them by ``pipeline_schedule``.
+        pipeline_parallel_size: Pipeline processes (1 = none): encoder then decoder layers cut into contiguous
+            stages, ``stages_per_rank`` per process; batches split into ``microbatches`` that flow through them by
+            ``pipeline_schedule``.
             A pipeline trains and validates (the loss); ``test`` and ``predict`` decode on every process as data
             parallel replicas, since beam search is one sequential loop a pipeline cannot keep busy. Its
             checkpoints are sharded (``save_distributed_checkpoint: true``): each stage writes its own tensors.
-        pipeline_schedule: ``1f1b`` (at most ``pipeline_parallel_size`` micro-batches' activations alive per stage)
-            or ``gpipe`` (all forward passes, then all backward passes).
-        microbatches: Micro-batches per batch, at least ``pipeline_parallel_size``; the idle share of the pipeline is
-            ``(stages - 1) / (microbatches + stages - 1)``.
+        pipeline_schedule: ``1f1b`` (at most ``pipeline_parallel_size`` micro-batches' activations alive per stage),
+            ``gpipe`` (all forward passes, then all backward passes) or ``interleaved_1f1b`` (1F1B over
+            ``stages_per_rank`` >= 2 stages per process, Megatron-LM's virtual stages).
+        microbatches: Micro-batches per batch, at least ``pipeline_parallel_size`` (a multiple of it with
+            ``interleaved_1f1b``); the pipeline's idle share is ``(pp - 1) / (v * microbatches + pp - 1)`` for
+            ``pp`` processes of ``v`` stages.
+        stages_per_rank: Stages per process, ``v``: 1, or 2 and more with ``interleaved_1f1b`` (each process then
+            holds stages ``r, r + pp, ...``; the pipeline idles ``v`` times less and sends ``v`` times more often).
 
     Checkpoints are folders of one shard per process (``save_distributed_checkpoint: true``), optimizer states keyed
     by parameter name and every packed query/key/value weight stored as ``(3, C, C)``
@@ -306,6 +311,7 @@ class ModelParallelStrategy(_SafeFolders, _LightningModelParallelStrategy):
         pipeline_parallel_size: int = 1,
         pipeline_schedule: Schedule = "1f1b",
         microbatches: int = 4,
+        stages_per_rank: int = 1,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -314,7 +320,7 @@ class ModelParallelStrategy(_SafeFolders, _LightningModelParallelStrategy):
             data_parallel_size, tensor_parallel_size, save_distributed_checkpoint, process_group_backend, timeout
         )
         self._pipeline_parallel_size = pipeline_parallel_size
-        self.pipeline = PipelineConfig(pipeline_schedule, microbatches)
+        self.pipeline = PipelineConfig(pipeline_schedule, microbatches, stages_per_rank)
 
     def _sizes(self, fitting: bool) -> tuple[int, int, int]:
         """``(data_parallel, pipeline_parallel, tensor_parallel)``, checked against the processes in one line. Outside
@@ -338,6 +344,8 @@ class ModelParallelStrategy(_SafeFolders, _LightningModelParallelStrategy):
                 f"{world} processes (trainer.devices x trainer.num_nodes): set --trainer.strategy.init_args."
                 "data_parallel_size, pipeline_parallel_size and tensor_parallel_size to multiply out, or 'auto'"
             )
+        if pp > 1:
+            self.pipeline.check(pp)
         if pp > 1 and not self._save_distributed_checkpoint:
             raise SetupError(
                 f"pipeline_parallel_size={pp} saves one shard per stage: set "

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 from torch_handle.data.batching import TokenBudgetBatchSampler
 
 
-def finish_saved_epoch(checkpoint: dict[str, Any]) -> None:
+def finish_saved_epoch(checkpoint: dict[str, Any], iteration_based: bool) -> None:
     """Marks an epoch that a checkpoint saw end as complete, so that resuming trains the next one.
 
     Lightning (2.6; its issue #19617) resumes an iteration-based run (``max_steps`` set) from a checkpoint
@@ -29,6 +29,7 @@ def finish_saved_epoch(checkpoint: dict[str, Any]) -> None:
 
     Args:
         checkpoint: The loaded checkpoint, before Lightning restores its loops from it.
+        iteration_based: The resuming trainer has ``max_steps``: Lightning then restarts the finished epoch's loop.
     """
     fit = checkpoint.get("loops", {}).get("fit_loop")
     if fit is None or not fit.get("epoch_loop.batch_progress", {}).get("is_last_batch"):
@@ -42,6 +43,11 @@ def finish_saved_epoch(checkpoint: dict[str, Any]) -> None:
     batches = fit["epoch_loop.batch_progress"]
     batches["current"] = dict.fromkeys(batches["current"], 0)
     batches["is_last_batch"] = False
+    # Restarting that loop, Lightning adds the logging step it takes a checkpoint saved mid-epoch not to have counted
+    # yet; one saved at an epoch's end counted it (TensorBoard's x-axis would run one step ahead).
+    loop = fit.get("epoch_loop.state_dict", {})
+    if iteration_based and loop.get("_batches_that_stepped"):
+        loop["_batches_that_stepped"] -= 1
 
 
 def batches_processed(trainer: L.Trainer) -> int:

@@ -1,19 +1,21 @@
 """Pipeline parallelism with PyTorch's ``torch.distributed.pipelining``: encoder stages, then decoder stages.
 
-The layers, encoder then decoder, are cut into ``pp`` contiguous stages of nearly equal size, as Megatron-LM splits
-T5; each process keeps its stage's layers and drops the rest. Activations cross a stage boundary as a pair: the
-encoder's hidden states and the embedded target while the encoder runs, then the encoder's output (``memory``) and
-the decoder's hidden states, because PyTorch's schedules carry no skip connection past a stage: every decoder stage
-needs ``memory`` for cross-attention. The first stage embeds both source and target (integer ids cannot cross a
-boundary with a gradient), and every stage receives the token ids too, as keyword arguments, to build its masks.
+The layers, encoder then decoder, are cut into ``pp x v`` contiguous stages of nearly equal size, as Megatron-LM splits
+T5; process ``r`` keeps stages ``r, r + pp, ...`` (``v`` stages per process: one, or several for the interleaved 1F1B
+schedule, whose smaller stages shrink the pipeline's idle share by ``v``) and drops the other layers. Activations cross
+a stage boundary as a pair: the encoder's hidden states and the embedded target while the encoder runs, then the
+encoder's output (``memory``) and the decoder's hidden states, because PyTorch's schedules carry no skip connection past
+a stage: every decoder stage needs ``memory`` for cross-attention. The first stage embeds both source and target
+(integer ids cannot cross a boundary with a gradient), and every stage receives the token ids too, as keyword arguments,
+to build its masks.
 
 Tied embeddings live on the first stage (lookup) and the last (output layer); :meth:`Pipeline.sync_tied_grads` adds
 their gradients before the optimizer step, as Megatron's embedding group does, so both copies stay equal.
 
-Shapes: a schedule's receive buffers are fixed by its first micro-batch, but token-budget batches vary, so each
-batch gets a stage and schedule built for its shapes from static metadata (no shape inference, no extra pass), and
-its rows are evened up to a multiple of the micro-batch count with filler rows (one end-of-sentence source token,
-an all-padding target) that add nothing to the loss or the gradients.
+Shapes: a schedule's receive buffers are fixed by its first micro-batch, but token-budget batches vary, so each batch
+gets a stage and schedule built for its shapes from static metadata (no shape inference, no extra pass), and its rows
+are evened up to a multiple of the micro-batch count with filler rows (one end-of-sentence source token, an all-padding
+target) that add nothing to the loss or the gradients.
 """
 
 from __future__ import annotations
@@ -26,15 +28,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.tensor import DTensor
 
 from torch_handle.errors import SetupError
 from torch_handle.model import Transformer
 
-Schedule = Literal["gpipe", "1f1b"]
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}  # one stage per process
 
 
 @dataclass(frozen=True)
@@ -44,13 +46,34 @@ class PipelineConfig:
     Args:
         schedule: ``gpipe`` runs every micro-batch's forward pass, then every backward pass (activations of all
             micro-batches alive at once); ``1f1b`` alternates them once the pipeline is full, holding at most ``pp``
-            micro-batches' activations per stage.
-        microbatches: Micro-batches per batch (at least the number of stages, or stages sit idle): the pipeline's
-            idle share is ``(pp - 1) / (microbatches + pp - 1)``.
+            micro-batches' activations per stage; ``interleaved_1f1b`` is 1F1B over ``stages_per_rank`` stages per
+            process (Megatron-LM's virtual stages, PyTorch's ``ScheduleInterleaved1F1B``).
+        microbatches: Micro-batches per batch (at least the number of processes, or stages sit idle): the pipeline's
+            idle share is ``(pp - 1) / (v * microbatches + pp - 1)`` for ``v`` stages per process.
+        stages_per_rank: Stages per process, ``v``: 1, or at least 2 with ``interleaved_1f1b``, which then sends
+            activations ``v`` times as often.
     """
 
     schedule: Schedule = "1f1b"
     microbatches: int = 4
+    stages_per_rank: int = 1
+
+    def check(self, processes: int) -> None:
+        """Raises :class:`SetupError` in one line when this schedule cannot run on, or would leave idle, a pipeline
+        of ``processes`` processes."""
+        n, v = self.microbatches, self.stages_per_rank
+        if (self.schedule == "interleaved_1f1b") != (v > 1):
+            raise SetupError(
+                f"pipeline_schedule={self.schedule} with stages_per_rank={v}: interleaved_1f1b runs several stages per "
+                "process and the other schedules one; set --trainer.strategy.init_args.stages_per_rank 2 (or more) "
+                "with interleaved_1f1b, 1 otherwise"
+            )
+        if n < processes or (v > 1 and n % processes):
+            fix = "a multiple of" if v > 1 else "at least"
+            raise SetupError(
+                f"microbatches={n} cannot keep the {processes} pipeline processes busy: set "
+                f"--trainer.strategy.init_args.microbatches to {fix} pipeline_parallel_size"
+            )
 
 
 @dataclass(frozen=True)
@@ -87,17 +110,9 @@ class StagePlan:
 
 
 def plan_stages(num_encoder_layers: int, num_decoder_layers: int, stages: int) -> list[StagePlan]:
-    """Contiguous runs of the ``E + D`` layers, sizes differing by at most one, earlier stages the longer.
-
-    Raises:
-        SetupError: More stages than layers.
-    """
+    """Contiguous runs of the ``E + D`` layers (at least ``stages``), sizes differing by at most one, earlier
+    stages the longer."""
     total = num_encoder_layers + num_decoder_layers
-    if stages > total:
-        raise SetupError(
-            f"pipeline_parallel_size={stages} exceeds the {total} encoder and decoder layers: every stage needs one; "
-            "choose a pipeline_parallel_size of at most the layer count"
-        )
     plans, start = [], 0
     for index in range(stages):
         stop = start + total // stages + (index < total % stages)
@@ -125,12 +140,23 @@ class _ContiguousGrad(torch.autograd.Function):
 
 class StageModule(nn.Module):
     """One stage of the pipeline over a :class:`~torch_handle.model.Transformer` whose other stages' layers were
-    dropped: ``forward(*carried, src, tgt)`` returns the pair for the next stage, or logits on the last."""
+    dropped: ``forward(*carried, src, tgt)`` returns the pair for the next stage, or logits on the last.
+
+    Only the stage's own layers, embeddings, norms and output layer are its submodules; the Transformer they belong
+    to is held but not registered, since under interleaving it also holds this process's other stages, which FSDP2
+    shards as roots of their own (as torchtitan shards each of its model parts).
+    """
 
     def __init__(self, model: Transformer, plan: StagePlan) -> None:
         super().__init__()
-        self.model = model
+        self.__dict__["model"] = model  # not a submodule: see the class docstring
         self.plan = plan
+        self.layers = nn.ModuleList(
+            [model.encoder_layers[i] for i in plan.encoder] + [model.decoder_layers[i] for i in plan.decoder]
+        )
+        self.ends = nn.ModuleList(
+            getattr(model, name) for name in _ends(model, [plan]) if getattr(model, name, None) is not None
+        )
 
     def forward(self, *carried: Tensor, src: Tensor, tgt: Tensor) -> Tensor | tuple[Tensor, Tensor]:
         m, plan = self.model, self.plan
@@ -149,41 +175,46 @@ class StageModule(nn.Module):
         return x, y
 
 
-def _drop_other_stages(model: Transformer, plan: StagePlan) -> None:
-    """Replaces the layers of other stages by parameter-free placeholders (indices, hence names, stay) and drops the
-    embeddings, norms and output layer this stage never runs."""
-    for i in set(range(len(model.encoder_layers))) - set(plan.encoder):
-        model.encoder_layers[i] = nn.Identity()
-    for i in set(range(len(model.decoder_layers))) - set(plan.decoder):
-        model.decoder_layers[i] = nn.Identity()
+def _ends(model: Transformer, plans: list[StagePlan]) -> list[str]:
+    """The modules besides the layers that ``plans`` run: embeddings, final norms, the output layer."""
+    first, last = any(p.first for p in plans), any(p.last for p in plans)
     keep = {
-        "src_embed": plan.first,
-        "src_pos": plan.first,
-        "tgt_pos": plan.first,
+        "src_embed": first,
+        "src_pos": first,
+        "tgt_pos": first,
         # The target table: looked up on the first stage, and the output layer's weight on the last when tied.
-        "tgt_embed": plan.first or (plan.last and model.config.tie_embeddings),
-        "lm_head": plan.last,
-        "encoder_norm": plan.finishes_encoder,
-        "decoder_norm": plan.last,
+        "tgt_embed": first or (last and model.config.tie_embeddings),
+        "lm_head": last,
+        "encoder_norm": any(p.finishes_encoder for p in plans),
+        "decoder_norm": last,
     }
-    for name, kept in keep.items():
-        if not kept and getattr(model, name, None) is not None:
+    return [name for name, kept in keep.items() if kept]
+
+
+def _drop_other_stages(model: Transformer, plans: list[StagePlan]) -> None:
+    """Replaces the layers no plan of ``plans`` runs by parameter-free placeholders (indices, hence names, stay) and
+    drops the embeddings, norms and output layer none of them runs."""
+    for i in set(range(len(model.encoder_layers))).difference(*(p.encoder for p in plans)):
+        model.encoder_layers[i] = nn.Identity()
+    for i in set(range(len(model.decoder_layers))).difference(*(p.decoder for p in plans)):
+        model.decoder_layers[i] = nn.Identity()
+    kept = set(_ends(model, plans))
+    for name in ("src_embed", "src_pos", "tgt_pos", "tgt_embed", "lm_head", "encoder_norm", "decoder_norm"):
+        if name not in kept and getattr(model, name, None) is not None:
             setattr(model, name, None)
 
 
 class Pipeline:
-    """This process's stage of the model on the ``pipeline_parallel`` mesh dimension, and the schedule that runs
+    """This process's stages of the model on the ``pipeline_parallel`` mesh dimension, and the schedule that runs
     a batch through all stages. Made by :func:`apply_pipeline_parallel`."""
 
-    def __init__(self, stage: StageModule, mesh: DeviceMesh, config: PipelineConfig) -> None:
-        self.stage, self.plan, self.config = stage, stage.plan, config
-        self.model: Transformer = stage.model
+    def __init__(self, stages: list[StageModule], mesh: DeviceMesh, config: PipelineConfig) -> None:
+        self.stages, self.config = stages, config
+        self.model: Transformer = stages[0].model
         self.group = mesh.get_group()
-        self.tied = self.model.config.tie_embeddings and self.plan.stages > 1
-
-    @property
-    def is_last(self) -> bool:
-        return self.plan.last
+        self.holds_first = any(s.plan.first for s in stages)
+        self.is_last = any(s.plan.last for s in stages)
+        self.tied = self.model.config.tie_embeddings and stages[0].plan.stages > 1
 
     def even_rows(self, src: Tensor, tgt: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The batch with filler rows up to a multiple of the micro-batches: a one-token source (end of sentence),
@@ -197,14 +228,12 @@ class Pipeline:
         pad = tgt.new_full((extra, tgt.shape[1]), c.pad_id)
         return torch.cat((src, filler)), torch.cat((tgt, pad)), torch.cat((labels, pad))
 
-    def _schedule(
-        self, src: Tensor, tgt: Tensor, loss_fn: Callable[[Tensor, Tensor], Tensor], backward: bool
-    ) -> PipelineScheduleSingle:
-        """A stage and schedule for this batch's shapes, from static metadata (gradients' shapes are the
+    def _stage(self, module: StageModule, src: Tensor, tgt: Tensor, backward: bool) -> PipelineStage:
+        """``module`` as a stage for this batch's shapes, from static metadata (gradients' shapes are the
         activations')."""
-        c, plan = self.model.config, self.plan
-        rows, n = src.shape[0] // self.config.microbatches, self.config.microbatches
-        dtype = next(self.stage.parameters()).dtype
+        c, plan = self.model.config, module.plan
+        rows = src.shape[0] // self.config.microbatches
+        dtype = next(module.parameters()).dtype
         meta = torch.device("meta")
         memory_len = -(-src.shape[1] // c.cross_downsample)
 
@@ -221,10 +250,19 @@ class Pipeline:
             if plan.last
             else pair(plan.sends_memory)
         )
-        stage = PipelineStage(
-            self.stage, plan.index, plan.stages, src.device, input_args=inputs, output_args=outputs, group=self.group
+        return PipelineStage(
+            module, plan.index, plan.stages, src.device, input_args=inputs, output_args=outputs, group=self.group
         )
-        return SCHEDULES[self.config.schedule](stage, n, loss_fn=loss_fn, scale_grads=False)
+
+    def _schedule(
+        self, src: Tensor, tgt: Tensor, loss_fn: Callable[[Tensor, Tensor], Tensor], backward: bool
+    ) -> _PipelineSchedule:
+        """A schedule over this process's stages built for this batch's shapes."""
+        stages = [self._stage(module, src, tgt, backward) for module in self.stages]
+        n = self.config.microbatches
+        if self.config.schedule == "interleaved_1f1b":
+            return ScheduleInterleaved1F1B(stages, n, loss_fn=loss_fn, scale_grads=False)
+        return SCHEDULES[self.config.schedule](stages[0], n, loss_fn=loss_fn, scale_grads=False)
 
     def step(self, src: Tensor, tgt: Tensor, labels: Tensor, loss_fn: Callable[[Tensor, Tensor], Tensor]) -> None:
         """Forward and backward of every micro-batch; ``loss_fn(logits, labels)`` of each is what it backpropagates
@@ -232,7 +270,7 @@ class Pipeline:
         src, tgt, labels = self.even_rows(src, tgt, labels)
         # After a schedule's step an FSDP2 stage holds only that step's gradients: an earlier step's were lost
         # (measured with torch 2.13, tests/pipeline_worker.py). Set aside and added back, for gradient accumulation.
-        params = [p for p in self.stage.parameters() if p.grad is not None]
+        params = [p for p in self.model.parameters() if p.grad is not None]
         earlier = [p.grad for p in params]
         for p in params:
             p.grad = None
@@ -246,26 +284,26 @@ class Pipeline:
         self._schedule(src, tgt, loss_fn, backward=False).eval(target=labels, src=src, tgt=tgt)
 
     def from_last_stage(self, values: Tensor) -> Tensor:
-        """``values`` as the last stage holds them, on every stage (the others pass zeros)."""
+        """``values`` as the process holding the last stage has them, on every process (the others pass zeros)."""
         values = values if self.is_last else torch.zeros_like(values)
         dist.all_reduce(values, group=self.group)
         return values
 
     def _tied(self) -> nn.Parameter | None:
-        """This stage's copy of the tied embedding: on the first stage (lookup) and the last (output layer)."""
-        if not self.tied or not (self.plan.first or self.plan.last):
+        """This process's copy of the tied embedding: on the first stage (lookup) and the last (output layer)."""
+        if not self.tied or not (self.holds_first or self.is_last):
             return None
         return self.model.tgt_embed.weight
 
     def sync_tied_grads(self) -> None:
         """Adds the tied embedding's gradients of the first stage and the last, as the whole model's single parameter
-        would have them (Megatron's embedding group). Middle stages join the collective with zeros."""
+        would have them (Megatron's embedding group). Other processes join the collective with zeros."""
         if not self.tied:
             return
         weight = self._tied()
         if weight is None:
             c = self.model.config
-            grad = torch.zeros(c.tgt_vocab_size, c.d_model, device=next(self.stage.parameters()).device)
+            grad = torch.zeros(c.tgt_vocab_size, c.d_model, device=next(self.model.parameters()).device)
         else:
             if weight.grad is None:
                 weight.grad = torch.zeros_like(weight)
@@ -274,8 +312,8 @@ class Pipeline:
 
     def clip_grad_norm_(self, max_norm: float) -> Tensor:
         """Clips every stage's gradients by their norm over the whole model, the tied weight counted once."""
-        params = [p for p in self.stage.parameters() if p.grad is not None]
-        duplicate = self._tied() if self.plan.last and not self.plan.first else None
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        duplicate = self._tied() if self.is_last and not self.holds_first else None
         norm = torch.nn.utils.get_total_norm([p.grad for p in params if p is not duplicate], foreach=True)
         if isinstance(norm, DTensor):  # sharded by FSDP2: the norm over the data-parallel shards
             norm = norm.full_tensor()
@@ -286,20 +324,23 @@ class Pipeline:
         return total
 
 
-def apply_pipeline_parallel(model: Transformer, mesh: DeviceMesh, config: PipelineConfig) -> StageModule:
-    """Keeps this process's stage of ``model`` on the 1-D ``mesh`` (in place: the other stages' layers are dropped)
-    and returns it as a module whose ``forward`` is the stage's; shard it further, then wrap it in a
+def apply_pipeline_parallel(model: Transformer, mesh: DeviceMesh, config: PipelineConfig) -> list[StageModule]:
+    """Keeps this process's stages of ``model`` on the 1-D ``mesh`` (in place: the other stages' layers are dropped)
+    and returns them as modules whose ``forward`` is the stage's; shard them further, then wrap them in a
     :class:`Pipeline`.
 
     Raises:
-        SetupError: More stages than layers, or fewer micro-batches than stages.
+        SetupError: More stages than layers, or settings :meth:`PipelineConfig.check` refuses.
     """
-    if config.microbatches < mesh.size():
-        raise SetupError(
-            f"microbatches={config.microbatches} is fewer than the {mesh.size()} pipeline stages, which would sit "
-            "idle: set --trainer.strategy.init_args.microbatches to at least pipeline_parallel_size"
-        )
     c = model.config
-    plan = plan_stages(c.num_encoder_layers, c.num_decoder_layers, mesh.size())[mesh.get_local_rank()]
-    _drop_other_stages(model, plan)
-    return StageModule(model, plan)
+    pp, v = mesh.size(), config.stages_per_rank
+    config.check(pp)
+    if pp * v > c.num_encoder_layers + c.num_decoder_layers:
+        raise SetupError(
+            f"pipeline_parallel_size={pp} x stages_per_rank={v} stages exceed the "
+            f"{c.num_encoder_layers + c.num_decoder_layers} encoder and decoder layers: every stage needs one; "
+            "choose fewer stages"
+        )
+    plans = plan_stages(c.num_encoder_layers, c.num_decoder_layers, pp * v)[mesh.get_local_rank() :: pp]
+    _drop_other_stages(model, plans)
+    return [StageModule(model, plan) for plan in plans]

@@ -41,14 +41,13 @@ def apply_fully_shard(model: Transformer, mesh: DeviceMesh) -> Transformer:
     return model
 
 
-def apply_fully_shard_stage(stage: StageModule, mesh: DeviceMesh) -> StageModule:
-    """Shards a pipeline stage (:mod:`torch_handle.parallel.pipeline`) over the data-parallel ``mesh``, in place: its
-    layers one by one, the stage as the root; the schedule reduces gradients once per batch, after its last
-    micro-batch."""
-    model = stage.model
-    placement = _placement(model)
-    for layer in (*model.encoder_layers, *model.decoder_layers):
-        if any(True for _ in layer.parameters()):  # the other stages' placeholders hold none
+def apply_fully_shard_stages(stages: list[StageModule], mesh: DeviceMesh) -> list[StageModule]:
+    """Shards this process's pipeline stages (:mod:`torch_handle.parallel.pipeline`) over the data-parallel ``mesh``,
+    in place: each stage's layers one by one, the stage as the root of the rest; the schedule reduces gradients once
+    per batch, after its last micro-batch."""
+    placement = _placement(stages[0].model)
+    for stage in stages:
+        for layer in stage.layers:
             fully_shard(layer, mesh=mesh, shard_placement_fn=placement)
-    fully_shard(stage, mesh=mesh, shard_placement_fn=placement)
-    return stage
+        fully_shard(stage, mesh=mesh, shard_placement_fn=placement)
+    return stages
