@@ -270,7 +270,9 @@ class Seq2SeqModule(L.LightningModule):
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # A run with max_steps resumed at an epoch's end trains the right next one, on the right logging step.
-        finish_saved_epoch(checkpoint, iteration_based=self.trainer.max_steps != -1)
+        # (load_from_checkpoint calls this hook without a trainer; no loop is restored then.)
+        trainer = self._trainer
+        finish_saved_epoch(checkpoint, iteration_based=trainer is not None and trainer.max_steps != -1)
 
     @override
     def on_train_start(self) -> None:
