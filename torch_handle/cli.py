@@ -363,7 +363,18 @@ def command() -> None:
             raise
         sys.stderr.write(exit_.code + "\n")  # stderr is line-buffered: one write
         sys.stderr.flush()
+        _leave_process_group()
         sys.exit(1)
+
+
+def _leave_process_group() -> None:
+    """Destroys the process group that a launch failing in setup leaves behind: torn down at interpreter exit
+    instead, its threads could end the process with C++'s "terminate called without an active exception" after
+    the error line (seen once, refusing context parallelism under ModelParallelStrategy on 2 processes)."""
+    import torch.distributed as dist  # only a launch that got this far has one
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
