@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-from torch.distributed.pipelining.schedules import _PipelineSchedule
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.distributed.tensor import DTensor
 
 from torch_handle.errors import SetupError
@@ -155,7 +155,9 @@ class StageModule(nn.Module):
             [model.encoder_layers[i] for i in plan.encoder] + [model.decoder_layers[i] for i in plan.decoder]
         )
         self.ends = nn.ModuleList(
-            getattr(model, name) for name in _ends(model, [plan]) if getattr(model, name, None) is not None
+            getattr(model, name)
+            for name, kept in _ends(model, [plan]).items()
+            if kept and getattr(model, name, None) is not None
         )
 
     def forward(self, *carried: Tensor, src: Tensor, tgt: Tensor) -> Tensor | tuple[Tensor, Tensor]:
@@ -175,10 +177,10 @@ class StageModule(nn.Module):
         return x, y
 
 
-def _ends(model: Transformer, plans: list[StagePlan]) -> list[str]:
-    """The modules besides the layers that ``plans`` run: embeddings, final norms, the output layer."""
+def _ends(model: Transformer, plans: list[StagePlan]) -> dict[str, bool]:
+    """Whether ``plans`` run each module besides the layers: embeddings, final norms, the output layer."""
     first, last = any(p.first for p in plans), any(p.last for p in plans)
-    keep = {
+    return {
         "src_embed": first,
         "src_pos": first,
         "tgt_pos": first,
@@ -188,7 +190,6 @@ def _ends(model: Transformer, plans: list[StagePlan]) -> list[str]:
         "encoder_norm": any(p.finishes_encoder for p in plans),
         "decoder_norm": last,
     }
-    return [name for name, kept in keep.items() if kept]
 
 
 def _drop_other_stages(model: Transformer, plans: list[StagePlan]) -> None:
@@ -198,9 +199,8 @@ def _drop_other_stages(model: Transformer, plans: list[StagePlan]) -> None:
         model.encoder_layers[i] = nn.Identity()
     for i in set(range(len(model.decoder_layers))).difference(*(p.decoder for p in plans)):
         model.decoder_layers[i] = nn.Identity()
-    kept = set(_ends(model, plans))
-    for name in ("src_embed", "src_pos", "tgt_pos", "tgt_embed", "lm_head", "encoder_norm", "decoder_norm"):
-        if name not in kept and getattr(model, name, None) is not None:
+    for name, kept in _ends(model, plans).items():
+        if not kept and getattr(model, name, None) is not None:
             setattr(model, name, None)
 
 
@@ -256,7 +256,7 @@ class Pipeline:
 
     def _schedule(
         self, src: Tensor, tgt: Tensor, loss_fn: Callable[[Tensor, Tensor], Tensor], backward: bool
-    ) -> _PipelineSchedule:
+    ) -> PipelineScheduleSingle | ScheduleInterleaved1F1B:
         """A schedule over this process's stages built for this batch's shapes."""
         stages = [self._stage(module, src, tgt, backward) for module in self.stages]
         n = self.config.microbatches
