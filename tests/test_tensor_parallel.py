@@ -162,3 +162,13 @@ def test_a_mesh_that_does_not_multiply_out_is_one_line(tmp_path: Path) -> None:
         "pipeline_parallel_size and tensor_parallel_size to multiply out, or 'auto'"
     )
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_heads_that_do_not_divide_are_one_line_before_the_run_folder(tmp_path: Path) -> None:
+    """Checked when the strategy lays out its mesh: no run folder, no config.yaml left behind."""
+    run = cli(_tp_args(tmp_path, 2, "--model.transformer.num_heads", "1"))
+    assert run.returncode != 0 and run.stderr.strip().splitlines()[-1] == (
+        "error: tensor_parallel_size=2 must divide transformer.num_heads (1) and transformer.d_ff (64): "
+        "choose a tensor_parallel_size that divides both"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock"]

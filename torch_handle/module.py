@@ -14,6 +14,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info, rank_zero_warn
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torchmetrics.aggregation import MeanMetric
@@ -38,6 +39,8 @@ from torch_handle.parallel import (
     apply_fully_shard_stages,
     apply_pipeline_parallel,
     apply_tensor_parallel,
+    check_pipeline_parallel,
+    check_tensor_parallel,
     build_mesh,
     check_context_parallel,
     sharded_logits,
@@ -52,6 +55,10 @@ def _percent(value: Tensor | dict[str, Tensor], prefix: str) -> dict[str, Tensor
     """BLEU (a tensor) or ROUGE (a dict) on the 0-100 scale that sacreBLEU and papers report."""
     scores = value if isinstance(value, dict) else {"bleu": value}
     return {f"{prefix}{name}": 100 * score.float() for name, score in scores.items()}
+
+
+def _pipeline_size(mesh: DeviceMesh) -> int:
+    return mesh[PIPELINE_PARALLEL].size() if PIPELINE_PARALLEL in mesh.mesh_dim_names else 1
 
 
 class Seq2SeqModule(L.LightningModule):
@@ -219,21 +226,10 @@ class Seq2SeqModule(L.LightningModule):
             )
         if self._parallelized:  # a second fit or test of this module
             return
+        self.check_parallel_plans()
         mesh, cp = self._device_mesh, self.context_parallel
-        if mesh is not None and cp > 1:
-            raise SetupError(
-                f"--model.context_parallel={cp} lays out its own device mesh, but "
-                f"{type(self.trainer.strategy).__name__} brings another: use it with strategy ddp, fsdp or "
-                "deepspeed, or set --model.context_parallel 1"
-            )
-        if mesh is not None and PIPELINE_PARALLEL in mesh.mesh_dim_names and mesh[PIPELINE_PARALLEL].size() > 1:
+        if mesh is not None and _pipeline_size(mesh) > 1:
             pipeline = self.trainer.strategy.pipeline  # torch_handle.strategies.ModelParallelStrategy's
-            every = self.hparams.generate_every_n_val_epochs
-            if every:
-                raise SetupError(
-                    f"--model.generate_every_n_val_epochs={every}: a pipeline cannot run beam search (test and predict "
-                    "decode with every process as a replica): set --model.generate_every_n_val_epochs 0"
-                )
             stages = apply_pipeline_parallel(self.model, mesh[PIPELINE_PARALLEL], pipeline)
             if mesh[TENSOR_PARALLEL].size() > 1:  # each stage's heads and feed-forward units split in turn
                 apply_tensor_parallel(self.model, mesh[TENSOR_PARALLEL], vocabulary=False)
@@ -251,6 +247,30 @@ class Seq2SeqModule(L.LightningModule):
             for layer in (*self.model.encoder_layers, *self.model.decoder_layers):
                 layer.compile()
         self._parallelized = True
+
+    def check_parallel_plans(self) -> None:
+        """Raises :class:`SetupError` in one line when the plans of the strategy's device mesh cannot apply to this
+        model. :class:`~torch_handle.strategies.ModelParallelStrategy` asks as soon as it has laid the mesh out,
+        before the run folder is made; :meth:`configure_model` asks again for Lightning's own strategy."""
+        mesh, cp = self._device_mesh, self.context_parallel
+        if mesh is None:
+            return
+        if cp > 1:
+            raise SetupError(
+                f"--model.context_parallel={cp} lays out its own device mesh, but "
+                f"{type(self.trainer.strategy).__name__} brings another: use it with strategy ddp, fsdp or "
+                "deepspeed, or set --model.context_parallel 1"
+            )
+        if _pipeline_size(mesh) > 1:
+            every = self.hparams.generate_every_n_val_epochs
+            if every:
+                raise SetupError(
+                    f"--model.generate_every_n_val_epochs={every}: a pipeline cannot run beam search (test and predict "
+                    "decode with every process as a replica): set --model.generate_every_n_val_epochs 0"
+                )
+            check_pipeline_parallel(self.model.config, _pipeline_size(mesh), self.trainer.strategy.pipeline)
+        if mesh[TENSOR_PARALLEL].size() > 1:
+            check_tensor_parallel(self.model.config, mesh[TENSOR_PARALLEL].size())
 
     def _step_scale(self) -> int:
         """What the backward pass divides a micro-batch's loss by, undone so that the step's mean is per token.

@@ -362,6 +362,9 @@ class ModelParallelStrategy(_SafeFolders, _LightningModelParallelStrategy):
             self.root_device.type, sizes, mesh_dim_names=(DATA_PARALLEL, PIPELINE_PARALLEL, TENSOR_PARALLEL)
         )
         self.lightning_module._device_mesh = self._device_mesh
+        check = getattr(self.lightning_module, "check_parallel_plans", None)
+        if check is not None:  # Seq2SeqModule: an impossible plan is one line here, before the run folder is made
+            check()
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.distributed.tensor import DTensor
 
 from torch_handle.errors import SetupError
-from torch_handle.model import Transformer
+from torch_handle.model import Transformer, TransformerConfig
 
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}  # one stage per process
@@ -324,6 +324,18 @@ class Pipeline:
         return total
 
 
+def check_pipeline_parallel(config: TransformerConfig, processes: int, pipeline: PipelineConfig) -> None:
+    """Raises :class:`SetupError` in one line when ``pipeline`` cannot cut a model of ``config`` over ``processes``
+    (the strategy asks before the run folder is made; :func:`apply_pipeline_parallel` asks again)."""
+    pipeline.check(processes)
+    stages, layers = processes * pipeline.stages_per_rank, config.num_encoder_layers + config.num_decoder_layers
+    if stages > layers:
+        raise SetupError(
+            f"pipeline_parallel_size={processes} x stages_per_rank={pipeline.stages_per_rank} stages exceed the "
+            f"{layers} encoder and decoder layers: every stage needs one; choose fewer stages"
+        )
+
+
 def apply_pipeline_parallel(model: Transformer, mesh: DeviceMesh, config: PipelineConfig) -> list[StageModule]:
     """Keeps this process's stages of ``model`` on the 1-D ``mesh`` (in place: the other stages' layers are dropped)
     and returns them as modules whose ``forward`` is the stage's; shard them further, then wrap them in a
@@ -334,13 +346,7 @@ def apply_pipeline_parallel(model: Transformer, mesh: DeviceMesh, config: Pipeli
     """
     c = model.config
     pp, v = mesh.size(), config.stages_per_rank
-    config.check(pp)
-    if pp * v > c.num_encoder_layers + c.num_decoder_layers:
-        raise SetupError(
-            f"pipeline_parallel_size={pp} x stages_per_rank={v} stages exceed the "
-            f"{c.num_encoder_layers + c.num_decoder_layers} encoder and decoder layers: every stage needs one; "
-            "choose fewer stages"
-        )
+    check_pipeline_parallel(c, pp, config)
     plans = plan_stages(c.num_encoder_layers, c.num_decoder_layers, pp * v)[mesh.get_local_rank() :: pp]
     _drop_other_stages(model, plans)
     return [StageModule(model, plan) for plan in plans]

@@ -39,7 +39,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from torch_handle.errors import SetupError
-from torch_handle.model import Transformer
+from torch_handle.model import Transformer, TransformerConfig
 from torch_handle.model.attention import MultiHeadAttention
 from torch_handle.model.layers import FeedForward
 from torch_handle.model.masks import MaskSpec
@@ -170,6 +170,16 @@ def _replicate(module: nn.Module, mesh: DeviceMesh, shared: dict[int, nn.Paramet
     distribute_module(module, mesh, partition, inputs, outputs)
 
 
+def check_tensor_parallel(config: TransformerConfig, processes: int) -> None:
+    """Raises :class:`SetupError` in one line when a model of ``config`` cannot split over ``processes`` (the
+    strategy asks before the run folder is made; :func:`apply_tensor_parallel` asks again)."""
+    if config.num_heads % processes or config.d_ff % processes:
+        raise SetupError(
+            f"tensor_parallel_size={processes} must divide transformer.num_heads ({config.num_heads}) and "
+            f"transformer.d_ff ({config.d_ff}): choose a tensor_parallel_size that divides both"
+        )
+
+
 def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, vocabulary: bool = True) -> Transformer:
     """Splits ``model``'s attention heads and feed-forward units over the ranks of the 1-D ``mesh``, in place, and
     with ``vocabulary`` its embedding tables and output layer by vocabulary rows (a pipeline stage passes False).
@@ -177,12 +187,7 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, vocabulary: bool
     Raises:
         SetupError: The heads or the feed-forward width do not divide by the mesh size.
     """
-    tp, c = mesh.size(), model.config
-    if c.num_heads % tp or c.d_ff % tp:
-        raise SetupError(
-            f"tensor_parallel_size={tp} must divide transformer.num_heads ({c.num_heads}) and transformer.d_ff "
-            f"({c.d_ff}): choose a tensor_parallel_size that divides both"
-        )
+    check_tensor_parallel(model.config, mesh.size())
     if vocabulary:
         _shard_vocabulary(model, mesh)
     shared: dict[int, nn.Parameter] = {}
@@ -194,7 +199,6 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, vocabulary: bool
     for module in list(model.modules()):
         if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
             _replicate(module, mesh, shared)
-    if c.position == "alibi":  # this rank's heads' slopes (a buffer outside the state dict)
-        rank = mesh.get_local_rank()
-        model.slopes = model.slopes.chunk(tp)[rank].clone()
+    if model.config.position == "alibi":  # this rank's heads' slopes (a buffer outside the state dict)
+        model.slopes = model.slopes.chunk(mesh.size())[mesh.get_local_rank()].clone()
     return model
