@@ -39,10 +39,10 @@ from torch_handle.parallel import (
     apply_fully_shard_stages,
     apply_pipeline_parallel,
     apply_tensor_parallel,
-    check_pipeline_parallel,
-    check_tensor_parallel,
     build_mesh,
     check_context_parallel,
+    check_pipeline_parallel,
+    check_tensor_parallel,
     sharded_logits,
     vocab_parallel_token_sums,
 )
