@@ -241,11 +241,14 @@ def throughput(setting: Setting) -> dict[str, Any]:
         mfu = _fmt(flops / step / peak * 100, 1) if peak else ""
         lever = ", ".join(names[lever] for lever in levers) or "eager"
         table.append([loop, lever, _fmt(step, 3), f"{tokens / step:,.0f}", mfu, _fmt(memory)])
+        print(" | ".join(map(str, table[-1])), flush=True)  # the log keeps the rows of a step stopped at its limit
         _free(setting)
+    # like for like: the module's `compile` compiles its layers and its loss
+    pairs = {"eager": ((), ()), "compiled": (("compile",), ("compile", "loss"))}
     overhead = [
-        f"{' '.join(levers) or 'eager'} {(results[('Lightning', levers)] / results[('plain', levers)] - 1) * 100:+.1f}%"
-        for levers in ((), ("compile",))
-        if ("Lightning", levers) in results
+        f"{name} {(results[('Lightning', ours)] / results[('plain', theirs)] - 1) * 100:+.1f}%"
+        for name, (ours, theirs) in pairs.items()
+        if ("Lightning", ours) in results
     ]
     tables = []
     if not setting.dry_run:
@@ -283,7 +286,7 @@ def _free(setting: Setting) -> None:
 
 
 def _lightning_step(
-    timing: Timing, batches: list[dict[str, torch.Tensor]], levers: tuple[str, ...]
+    timing: Timing, batches: list[dict[str, torch.Tensor]], levers: tuple[str, ...], strategy: Any = "auto"
 ) -> tuple[float, float | None]:
     """Median step of Seq2SeqModule under ``lightning.Trainer`` (its AdamW is fused on a GPU), and peak memory."""
     config, setting, warmup, steps = timing.config, timing.setting, timing.warmup, timing.steps
@@ -310,7 +313,8 @@ def _lightning_step(
     )  # fmt: skip
     timer = Timer()
     trainer = L.Trainer(
-        accelerator=setting.accelerator, devices=1, precision=setting.precision, max_steps=warmup + steps,
+        accelerator=setting.accelerator, devices=1, strategy=strategy, precision=setting.precision,
+        max_steps=warmup + steps,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=0, callbacks=[timer],
     )  # fmt: skip
@@ -396,6 +400,64 @@ def _counted_flops(model: torch.nn.Module, batch: dict[str, torch.Tensor], setti
         logits.float().sum().backward()
     model.zero_grad(set_to_none=True)
     return float(counter.get_total_flops())
+
+
+# --- strategy_throughput ---------------------------------------------------------------------------------------------
+
+STRATEGY_CONFIGS = ("ddp", "zero1", "zero2", "zero3", "fsdp")
+
+
+def strategy_throughput(setting: Setting) -> dict[str, Any]:
+    """The throughput step's model under each strategy config's strategy on one device (its Lightning loop, eager):
+    what ZeRO's partitioning and FSDP's sharding cost against DDP before any second device shares the work. Each
+    strategy in its own process, so that one's process group and DeepSpeed's engine cannot leak into the next."""
+    names = STRATEGY_CONFIGS if not setting.dry_run else ("ddp", "zero2")
+    rows, seconds = [], {}
+    for i, name in enumerate(names):
+        out = Path(tempfile.mkdtemp(prefix="gpu_suite-")) / "step.json"
+        command = [sys.executable, __file__, "one_strategy", str(out), "--strategy", name]
+        run = subprocess.run(
+            [*command, *(["--dry-run"] if setting.dry_run else [])],
+            env=os.environ | {"MASTER_PORT": str(29500 + i)},
+            capture_output=True,
+            text=True,
+        )
+        print(run.stdout[-2000:], run.stderr[-3000:], flush=True)
+        if run.returncode or not out.exists():
+            rows.append([name, "", "", "", "failed: " + (run.stderr.strip().splitlines() or ["?"])[-1][:150]])
+            continue
+        result = json.loads(out.read_text())
+        step = seconds[name] = result["seconds_per_step"]
+        ratio = _fmt(seconds["ddp"] / step * 100, 1) if "ddp" in seconds else ""
+        rows.append([name, _fmt(step, 3), f"{result['tokens'] / step:,.0f}", ratio, _fmt(result["peak"])])
+    title = (
+        f"The throughput step's model (eager, `{setting.precision}`, the same batches) through `lightning.Trainer` "
+        "with each strategy config's strategy, one device. Goals: ZeRO-1/2 >= 95% of DDP's tokens/s, ZeRO-3 >= 80%."
+    )
+    header = ["strategy", "step (s)", "tokens/s", "% of DDP", "peak memory (GiB)"]
+    return {"ok": len(seconds) == len(names), "tables": [_table(title, header, rows)]}
+
+
+def one_strategy(setting: Setting, strategy: str) -> dict[str, Any]:
+    """One row of ``strategy_throughput``: its median step, tokens and peak memory."""
+    import importlib
+
+    from torch_handle.model import TransformerConfig
+
+    settings = yaml.safe_load((ROOT / "configs" / f"{strategy}.yaml").read_text())["trainer"]["strategy"]
+    if isinstance(settings, dict):
+        module, _, name = settings["class_path"].rpartition(".")
+        settings = getattr(importlib.import_module(module), name)(**settings.get("init_args", {}))
+    dims = TINY_MODEL if setting.dry_run else THROUGHPUT_MODEL
+    vocab, length, rows = (300, 32, 2) if setting.dry_run else (32000, 2048, 8)
+    warmup, steps = (1, 2) if setting.dry_run else (3, 10)
+    config = TransformerConfig(
+        **dims, src_vocab_size=vocab, tgt_vocab_size=vocab, position="rope", norm_first=True, tie_embeddings=True
+    )
+    step, peak = _lightning_step(
+        Timing(config, setting, warmup, steps), _batches(vocab, rows, length, warmup + steps), (), settings
+    )
+    return {"ok": True, "seconds_per_step": step, "tokens": 2 * rows * length, "peak": peak, "tables": []}
 
 
 # --- long ------------------------------------------------------------------------------------------------------------
@@ -533,11 +595,16 @@ def multi30k(setting: Setting, data: Path, epochs: int) -> dict[str, Any]:
         "--trainer.devices=1",
         "--trainer.enable_progress_bar=false",
     ]
-    extra += bench_multi30k.DRY_RUN if setting.dry_run else []
+    # on the GPU the suite gives this step 180 s beside the others: Lightning's max_time leaves a minute for start-up
+    # and scoring, and stops an epoch count that would not fit (the last checkpoint is then scored)
+    extra += bench_multi30k.DRY_RUN if setting.dry_run else ["--trainer.max_time=00:00:01:45"]
     seconds = bench_multi30k.fit(data, run, torch.get_num_threads(), extra)
     rows = bench_multi30k.score(run, data, 20 if setting.dry_run else None, device=setting.device.type)
+    last = torch.load(next(run.rglob("last.ckpt")), map_location="cpu", weights_only=True, mmap=True)
+    trained = f"{last['global_step']} steps ({last['epoch'] + 1} of {epochs} epochs begun)"
     title = (
-        f"`configs/multi30k.yaml`, {epochs} epochs in `{setting.precision}` on one device: {seconds / 60:.1f} min "
+        f"`configs/multi30k.yaml` for {trained} in `{setting.precision}` on one device, beside the other "
+        f"side-by-side steps: {seconds / 60:.1f} min "
         f"wall for the fit (start-up and tokenizer training included); beam search on the last checkpoint. "
         f"sacreBLEU `{bench_multi30k.CASED.get_signature().format()}` and lowercased."
     )
@@ -552,6 +619,8 @@ STEPS = {
     "long": long,
     "decoding": decoding,
     "multi30k": multi30k,
+    "strategy_throughput": strategy_throughput,
+    "one_strategy": one_strategy,
 }
 
 
@@ -561,12 +630,12 @@ def main() -> None:
     parser.add_argument("out", type=Path, help="the JSON file to write")
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--multi30k", type=Path, default=ROOT / "data" / "multi30k", help="the multi30k step's data")
-    parser.add_argument(
-        "--multi30k-epochs", type=int, default=15, help="the multi30k step's epochs (124 steps each, ~8 s on an H100)"
-    )
+    parser.add_argument("--multi30k-epochs", type=int, default=20, help="the multi30k step's epochs (124 steps each)")
+    parser.add_argument("--strategy", choices=STRATEGY_CONFIGS, help="one_strategy's strategy config")
     args = parser.parse_args()
     setting = Setting(args.dry_run)
     extra = (args.multi30k, args.multi30k_epochs) if args.step == "multi30k" else ()
+    extra = (args.strategy,) if args.step == "one_strategy" else extra
     result = {"step": args.step, "device": device_line(setting), **STEPS[args.step](setting, *extra)}
     result.setdefault("error", "" if result["ok"] else "see its table")
     args.out.write_text(json.dumps(result))

@@ -13,7 +13,7 @@ import torch
 
 from tests.helpers import ROOT, env
 
-STEPS = ["gpu_tests", "strategies", "throughput", "long", "decoding", "multi30k"]
+STEPS = ["gpu_tests", "strategies", "multi30k", "throughput", "strategy_throughput", "long", "decoding"]
 
 
 @pytest.mark.slow
@@ -40,6 +40,9 @@ def test_dry_run_passes_every_step_and_writes_its_tables(tmp_path: Path, shared_
         ["plain", "foreach AdamW"],
         ["plain", "one padding token per source (masked attention)"],
     ]
+    zero = json.loads((tmp_path / "strategy_throughput.json").read_text())["tables"][0]["rows"]
+    assert [row[0] for row in zero] == ["ddp", "zero2"] and zero[0][3] == "100.0" and float(zero[1][1]) > 0
+    assert report.index("## multi30k") < report.index("## throughput")  # side by side first, then the timed steps
     bleu = json.loads((tmp_path / "multi30k.json").read_text())["tables"][0]
     assert bleu["rows"][0][:2] == ["test_2016_flickr", 20] and float(bleu["rows"][0][2]) >= 0
 
