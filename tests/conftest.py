@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -16,6 +17,24 @@ import torch
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 """Stack with ``@pytest.mark.gpu`` on GPU-only tests, as Lightning's ``RunIf(min_cuda_gpus=1)``."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (``-n 2`` in setup.cfg), each worker's own tensors use its share of the cores: two workers
+    of two threads each on two cores would spin OpenMP threads against each other."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        torch.set_num_threads(max(1, torch.get_num_threads() // workers))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """xdist's ``loadgroup`` hands a worker whole groups: a test module is one group (its module fixtures, such as a
+    trained run, are built once), except the shipped-config matrix, where each combination of configs is one (its
+    steps reuse the combination's run in order, and the combinations are the suite's largest share)."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            group = item.module.__name__ if item.module is not None else item.nodeid.split("::")[0]
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(autouse=True)

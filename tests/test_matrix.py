@@ -254,7 +254,11 @@ def _inputs(run: Run) -> int:
 @pytest.mark.timeout(STEP_TIMEOUT)
 @pytest.mark.parametrize(
     ("data", "strategy", "step"),
-    [(data, strategy, step) for data, strategy in COMBOS for step in STEPS],
+    [
+        pytest.param(data, strategy, step, marks=pytest.mark.xdist_group(f"matrix-{data}-{strategy}"))
+        for data, strategy in COMBOS
+        for step in STEPS
+    ],
     ids=[f"{data}-{strategy}-{step}" for data, strategy in COMBOS for step in STEPS],
 )
 def test_shipped_config(data: str, strategy: str, step: str, base: Path) -> None:

@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from importlib.metadata import version
 
 import torch
-from rouge_score import rouge_scorer
 from sacrebleu.metrics import BLEU
 from torchmetrics import Metric
 
@@ -38,6 +37,8 @@ class Rouge(Metric):
     def __init__(self, use_stemmer: bool = True) -> None:
         super().__init__()
         self.use_stemmer = use_stemmer
+        from rouge_score import rouge_scorer  # here, not at the top: it imports NLTK (0.5 s), which translation skips
+
         self.scorer = rouge_scorer.RougeScorer(list(ROUGE_KEYS), use_stemmer=use_stemmer)
         for key in ROUGE_KEYS:
             self.add_state(key, default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
