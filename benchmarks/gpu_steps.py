@@ -199,12 +199,9 @@ def _batches(vocab: int, rows: int, length: int, count: int) -> list[dict[str, t
     return batches
 
 
-def throughput(setting: Setting) -> dict[str, Any]:
-    """The ~400M model through Seq2SeqModule and Trainer, against the same step in a plain loop; each lever on and
-    off in the same run (``torch.compile`` of the layers, fused AdamW, attention without a padding mask)."""
-    from torch_handle.data import EOS_ID, PAD_ID
-    from torch_handle.flops import training_flops
-    from torch_handle.model import Transformer, TransformerConfig
+def _throughput_sizes(setting: Setting) -> tuple[Any, int, int, int, int]:
+    """The throughput steps' model config, rows, tokens per sequence, warm-up and timed steps."""
+    from torch_handle.model import TransformerConfig
 
     dims = TINY_MODEL if setting.dry_run else THROUGHPUT_MODEL
     vocab, length, rows = (300, 32, 2) if setting.dry_run else (32000, 2048, 8)
@@ -212,6 +209,18 @@ def throughput(setting: Setting) -> dict[str, Any]:
     config = TransformerConfig(
         **dims, src_vocab_size=vocab, tgt_vocab_size=vocab, position="rope", norm_first=True, tie_embeddings=True
     )
+    return config, rows, length, warmup, steps
+
+
+def throughput(setting: Setting) -> dict[str, Any]:
+    """The ~400M model through Seq2SeqModule and Trainer, against the same step in a plain loop; each lever on and
+    off in the same run (``torch.compile`` of the layers, fused AdamW, attention without a padding mask)."""
+    from torch_handle.data import EOS_ID, PAD_ID
+    from torch_handle.flops import training_flops
+    from torch_handle.model import Transformer
+
+    config, rows, length, warmup, steps = _throughput_sizes(setting)
+    dims, vocab = TINY_MODEL if setting.dry_run else THROUGHPUT_MODEL, config.src_vocab_size
     batches = _batches(vocab, rows, length, warmup + steps)
     padded = [{"src": b["src"].clone(), "tgt": b["tgt"]} for b in batches]
     for b in padded:  # one padding token per source: the attention needs a mask, and SDPA leaves the flash kernel
@@ -413,15 +422,10 @@ def strategy_throughput(setting: Setting) -> dict[str, Any]:
     strategy in its own process, so that one's process group and DeepSpeed's engine cannot leak into the next."""
     names = STRATEGY_CONFIGS if not setting.dry_run else ("ddp", "zero2")
     rows, seconds = [], {}
-    for i, name in enumerate(names):
+    for name in names:  # one after another: Lightning finds each a free rendezvous port
         out = Path(tempfile.mkdtemp(prefix="gpu_suite-")) / "step.json"
         command = [sys.executable, __file__, "one_strategy", str(out), "--strategy", name]
-        run = subprocess.run(
-            [*command, *(["--dry-run"] if setting.dry_run else [])],
-            env=os.environ | {"MASTER_PORT": str(29500 + i)},
-            capture_output=True,
-            text=True,
-        )
+        run = subprocess.run([*command, *(["--dry-run"] if setting.dry_run else [])], capture_output=True, text=True)
         print(run.stdout[-2000:], run.stderr[-3000:], flush=True)
         if run.returncode or not out.exists():
             rows.append([name, "", "", "", "failed: " + (run.stderr.strip().splitlines() or ["?"])[-1][:150]])
@@ -442,21 +446,13 @@ def one_strategy(setting: Setting, strategy: str) -> dict[str, Any]:
     """One row of ``strategy_throughput``: its median step, tokens and peak memory."""
     import importlib
 
-    from torch_handle.model import TransformerConfig
-
     settings = yaml.safe_load((ROOT / "configs" / f"{strategy}.yaml").read_text())["trainer"]["strategy"]
     if isinstance(settings, dict):
         module, _, name = settings["class_path"].rpartition(".")
         settings = getattr(importlib.import_module(module), name)(**settings.get("init_args", {}))
-    dims = TINY_MODEL if setting.dry_run else THROUGHPUT_MODEL
-    vocab, length, rows = (300, 32, 2) if setting.dry_run else (32000, 2048, 8)
-    warmup, steps = (1, 2) if setting.dry_run else (3, 10)
-    config = TransformerConfig(
-        **dims, src_vocab_size=vocab, tgt_vocab_size=vocab, position="rope", norm_first=True, tie_embeddings=True
-    )
-    step, peak = _lightning_step(
-        Timing(config, setting, warmup, steps), _batches(vocab, rows, length, warmup + steps), (), settings
-    )
+    config, rows, length, warmup, steps = _throughput_sizes(setting)
+    batches = _batches(config.src_vocab_size, rows, length, warmup + steps)
+    step, peak = _lightning_step(Timing(config, setting, warmup, steps), batches, (), settings)
     return {"ok": True, "seconds_per_step": step, "tokens": 2 * rows * length, "peak": peak, "tables": []}
 
 

@@ -51,7 +51,7 @@ LIMITS = {
     "gpu_tests": (150, 200),  # flex compiles a kernel per mask
     "strategies": (180, 300),  # 6 configs side by side, 4 launches each
     "multi30k": (180, 300),  # the recipe for --multi30k-epochs (Lightning's max_time stops it in time), then BLEU
-    "throughput": (240, 120),  # nine loops, five of them compiling first, and a profiled step
+    "throughput": (180, 120),  # seven loops, three of them compiling first, and a profiled step
     "strategy_throughput": (150, 120),  # five strategies, one process each
     "long": (100, 120),
     "decoding": (60, 60),
@@ -117,7 +117,7 @@ def main() -> int:
     steps = args.step or list(LIMITS)
     together = [step for step in steps if step in SIDE_BY_SIDE]
     with ThreadPoolExecutor(max(len(together), 1)) as pool:
-        done = dict(zip(together, pool.map(lambda step: run(step), together), strict=True))
+        done = dict(zip(together, pool.map(run, together), strict=True))
     results = [done[step] if step in done else run(step) for step in steps]
     text = report(results, args.dry_run)
     (args.out / "gpu_suite.md").write_text(text)

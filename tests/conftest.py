@@ -33,8 +33,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     steps reuse the combination's run in order, and the combinations are the suite's largest share)."""
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
-            group = item.module.__name__ if item.module is not None else item.nodeid.split("::")[0]
-            item.add_marker(pytest.mark.xdist_group(group))
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
 
 
 @pytest.fixture(autouse=True)
