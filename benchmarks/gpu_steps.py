@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import yaml
-from common import cpu_name
+from common import cpu_name, markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12}  # dense bf16 FLOP/s of the SXM parts, by device name
@@ -225,31 +225,37 @@ def throughput(setting: Setting) -> dict[str, Any]:
     padded = [{"src": b["src"].clone(), "tgt": b["tgt"]} for b in batches]
     for b in padded:  # one padding token per source: the attention needs a mask, and SDPA leaves the flash kernel
         b["src"][:, -2:] = torch.tensor([EOS_ID, PAD_ID])
-    flops = training_flops(config, [length] * rows, [length] * rows)
-    tokens = 2 * rows * length
     peak = setting.peak_flops()
     runs = [  # (loop, levers); "compile": the layers, "loss": the loss too, "foreach": AdamW not fused,
-        # "padded": one padding token per source
+        # "padded": one padding token per source; "dropout0" and "double" (twice the rows): the references' setting
         ("Lightning", ()),
         ("Lightning", ("compile",)),
         ("plain", ()),
-        ("plain", ("compile",)),
         ("plain", ("foreach",)),
         ("plain", ("padded",)),
         ("plain", ("compile", "loss")),
+        ("Lightning", ("compile", "dropout0", "double")),
     ]
     if setting.dry_run:  # compiling needs a C++ toolchain on a CPU, and takes minutes: the GPU run measures it
         runs = [run for run in runs if "compile" not in run[1]]
-    results, table = {}, []
+    results, mfus, table = {}, {}, []
     names = {"compile": "compiled layers", "loss": "compiled loss", "foreach": "foreach AdamW",
-             "padded": "one padding token per source (masked attention)"}  # fmt: skip
+             "padded": "one padding token per source (masked attention)",
+             "dropout0": "dropout 0", "double": f"{2 * rows} rows"}  # fmt: skip
     for loop, levers in runs:
         run = _lightning_step if loop == "Lightning" else _plain_step
-        step, memory = run(Timing(config, setting, warmup, steps), padded if "padded" in levers else batches, levers)
+        model_config = dataclasses.replace(config, dropout=0.0) if "dropout0" in levers else config
+        run_rows = 2 * rows if "double" in levers else rows
+        inputs = padded if "padded" in levers else batches
+        if run_rows != rows:
+            inputs = _batches(vocab, run_rows, length, warmup + steps)
+        step, memory = run(Timing(model_config, setting, warmup, steps), inputs, levers)
         results[(loop, levers)] = step
-        mfu = _fmt(flops / step / peak * 100, 1) if peak else ""
+        flops = training_flops(config, [length] * run_rows, [length] * run_rows)
+        mfus[(loop, levers)] = flops / step / peak * 100 if peak else None
         lever = ", ".join(names[lever] for lever in levers) or "eager"
-        table.append([loop, lever, _fmt(step, 3), f"{tokens / step:,.0f}", mfu, _fmt(memory)])
+        tokens = f"{2 * run_rows * length / step:,.0f}"
+        table.append([loop, lever, _fmt(step, 3), tokens, _fmt(mfus[(loop, levers)], 1), _fmt(memory)])
         print(" | ".join(map(str, table[-1])), flush=True)  # the log keeps the rows of a step stopped at its limit
         _free(setting)
     # like for like: the module's `compile` compiles its layers and its loss
@@ -264,12 +270,15 @@ def throughput(setting: Setting) -> dict[str, Any]:
         tables.append(_profile(config, batches, setting))
     model = Transformer(config).to(setting.device).train()
     counted = _counted_flops(model, {k: v.to(setting.device) for k, v in batches[0].items()}, setting)
-    best = min(results.values())
+    best = max((m for (_, levers), m in mfus.items() if "dropout0" not in levers and m), default=None)
+    referenced = mfus.get(("Lightning", ("compile", "dropout0", "double")))
+    flops = training_flops(config, [length] * rows, [length] * rows)
     title = (
-        f"{sum(p.numel() for p in model.parameters()) / 1e6:,.1f}M parameters ({dims}), vocabulary {vocab}, "
-        f"{rows} x ({length} + {length}) tokens a step, `{setting.precision}`, AdamW; median of {steps} steps after "
-        f"{warmup}. Lightning's overhead against the plain loop: {', '.join(overhead)} (goal <= 2%). Best MFU "
-        f"{_fmt(flops / best / peak * 100, 1) if peak else '-'}% (goal >= 45%). FLOPs by the formula {flops:.3e} a "
+        f"{sum(p.numel() for p in model.parameters()) / 1e6:,.1f}M parameters ({dims}, dropout {config.dropout}), "
+        f"vocabulary {vocab}, {rows} x ({length} + {length}) tokens a step, `{setting.precision}`, AdamW; median of "
+        f"{steps} steps after {warmup}. Lightning's overhead against the plain loop: {', '.join(overhead)} (goal <= "
+        f"2%). Best MFU {_fmt(best, 1) or '-'}%; at dropout 0 and {2 * rows} rows, as the decoder-only references "
+        f"train: {_fmt(referenced, 1) or '-'}% (goal >= 45%). FLOPs by the formula {flops:.3e} a "
         f"step; FlopCounterMode counted {counted / flops:.3f} of them. MFU against {peak or 'no known'} FLOP/s."
     )
     header = ["loop", "levers", "step (s)", "tokens/s", "MFU (%)", "peak memory (GiB)"]
@@ -295,9 +304,14 @@ def _free(setting: Setting) -> None:
 
 
 def _lightning_step(
-    timing: Timing, batches: list[dict[str, torch.Tensor]], levers: tuple[str, ...], strategy: Any = "auto"
+    timing: Timing,
+    batches: list[dict[str, torch.Tensor]],
+    levers: tuple[str, ...],
+    strategy: Any = "auto",
+    profiled: list[dict[str, Any]] | None = None,
 ) -> tuple[float, float | None]:
-    """Median step of Seq2SeqModule under ``lightning.Trainer`` (its AdamW is fused on a GPU), and peak memory."""
+    """Median step of Seq2SeqModule under ``lightning.Trainer`` (its AdamW is fused on a GPU), and peak memory.
+    ``profiled``: the last step runs under cProfile and the torch profiler, whose results are appended to it."""
     config, setting, warmup, steps = timing.config, timing.setting, timing.warmup, timing.steps
     import lightning as L
 
@@ -306,14 +320,32 @@ def _lightning_step(
     class Timer(L.Callback):
         def __init__(self) -> None:
             self.seconds: list[float] = []
+            self.profilers: tuple[Any, Any] | None = None
 
-        def on_train_batch_start(self, *args: Any) -> None:
+        def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
             setting.sync()
+            if profiled is not None and trainer.global_step == warmup + steps - 1:
+                import cProfile
+
+                from torch.profiler import ProfilerActivity, profile
+
+                activity = ProfilerActivity.CUDA if setting.device.type == "cuda" else ProfilerActivity.CPU
+                self.profilers = (profile(activities=[activity]), cProfile.Profile())
+                self.profilers[0].__enter__()
+                self.profilers[1].enable()
             self.start = time.perf_counter()
 
         def on_train_batch_end(self, *args: Any) -> None:
             setting.sync()
             self.seconds.append(time.perf_counter() - self.start)
+            if self.profilers is not None:
+                torch_profile, host = self.profilers
+                host.disable()
+                torch_profile.__exit__(None, None, None)
+                gpu_us = sum(e.self_device_time_total for e in torch_profile.key_averages())
+                assert profiled is not None
+                profiled.append({"cprofile": host, "gpu_ms": gpu_us / 1e3, "wall_ms": self.seconds[-1] * 1e3})
+                self.profilers = None
 
     torch.manual_seed(0)
     module = Seq2SeqModule(
@@ -329,7 +361,8 @@ def _lightning_step(
     )  # fmt: skip
     setting.reset_peak()
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
-    return sorted(timer.seconds[warmup:])[steps // 2], setting.peak_gib()
+    timed_steps = timer.seconds[warmup : warmup + steps - (profiled is not None)]  # not the profiled one
+    return sorted(timed_steps)[len(timed_steps) // 2], setting.peak_gib()
 
 
 def _plain_model(config: Any, setting: Setting, levers: tuple[str, ...]) -> Callable[[dict[str, torch.Tensor]], None]:
@@ -434,6 +467,7 @@ def strategy_throughput(setting: Setting) -> dict[str, Any]:
         step = seconds[name] = result["seconds_per_step"]
         ratio = _fmt(seconds["ddp"] / step * 100, 1) if "ddp" in seconds else ""
         rows.append([name, _fmt(step, 3), f"{result['tokens'] / step:,.0f}", ratio, _fmt(result["peak"])])
+        print(" | ".join(map(str, rows[-1])), flush=True)
     title = (
         f"The throughput step's model (eager, `{setting.precision}`, the same batches) through `lightning.Trainer` "
         "with each strategy config's strategy, one device. Goals: ZeRO-1/2 >= 95% of DDP's tokens/s, ZeRO-3 >= 80%."
@@ -442,18 +476,47 @@ def strategy_throughput(setting: Setting) -> dict[str, Any]:
     return {"ok": len(seconds) == len(names), "tables": [_table(title, header, rows)]}
 
 
-def one_strategy(setting: Setting, strategy: str) -> dict[str, Any]:
-    """One row of ``strategy_throughput``: its median step, tokens and peak memory."""
+def one_strategy(setting: Setting, strategy: str, overrides: dict[str, Any], profile: bool) -> dict[str, Any]:
+    """One row of ``strategy_throughput``: its median step, tokens and peak memory. By hand, ``--overrides`` changes the
+    strategy's options and ``--profile`` prints where the last step's time goes on the host (Python functions, the
+    time the GPU was busy): how ZeRO-2's per-parameter overflow check was found (``benchmarks/RESULTS.md``)."""
     import importlib
 
     settings = yaml.safe_load((ROOT / "configs" / f"{strategy}.yaml").read_text())["trainer"]["strategy"]
     if isinstance(settings, dict):
         module, _, name = settings["class_path"].rpartition(".")
-        settings = getattr(importlib.import_module(module), name)(**settings.get("init_args", {}))
+        settings = getattr(importlib.import_module(module), name)(**{**settings.get("init_args", {}), **overrides})
     config, rows, length, warmup, steps = _throughput_sizes(setting)
     batches = _batches(config.src_vocab_size, rows, length, warmup + steps)
-    step, peak = _lightning_step(Timing(config, setting, warmup, steps), batches, (), settings)
-    return {"ok": True, "seconds_per_step": step, "tokens": 2 * rows * length, "peak": peak, "tables": []}
+    profiled: list[dict[str, Any]] = []
+    step, peak = _lightning_step(
+        Timing(config, setting, warmup, steps), batches, (), settings, profiled if profile else None
+    )
+    tables = [_host_profile(strategy, profiled[0], setting)] if profiled else []
+    for table in tables:  # into the parent's log as well
+        print(table["title"], markdown_table(table["header"], table["rows"]), sep="\n", flush=True)
+    return {"ok": True, "seconds_per_step": step, "tokens": 2 * rows * length, "peak": peak, "tables": tables}
+
+
+def _host_profile(strategy: str, profiled: dict[str, Any], setting: Setting) -> dict[str, Any]:
+    """The profiled step as a table: the Python functions with the most time of their own, then DeepSpeed's with the
+    most time including their callees (which of its phases costs)."""
+    import pstats
+
+    stats = pstats.Stats(profiled["cprofile"]).stats.items()
+    own = sorted(stats, key=lambda item: item[1][2], reverse=True)[:12]
+    deepspeed = [item for item in stats if "deepspeed" in item[0][0] and item not in own]
+    entries = own + sorted(deepspeed, key=lambda item: item[1][3], reverse=True)[:8]
+    rows = [
+        [f"{Path(file).name}:{line} {function}"[:90], calls, _fmt(own * 1e3, 1), _fmt(total * 1e3, 1)]
+        for (file, line, function), (_, calls, own, total, _) in entries
+    ]
+    title = (
+        f"`{strategy}`: one step under cProfile and the torch profiler, {profiled['wall_ms']:,.1f} ms (slowed by "
+        f"them), {profiled['gpu_ms']:,.1f} ms of GPU kernels; the host functions with the most time of their own, then "
+        "DeepSpeed's with the most including their callees"
+    )
+    return _table(title, ["function", "calls", "own ms", "with callees ms"], rows)
 
 
 # --- long ------------------------------------------------------------------------------------------------------------
@@ -528,9 +591,10 @@ def _long_step(
 
 @torch.no_grad()
 def decoding(setting: Setting) -> dict[str, Any]:
-    """Greedy with the key/value cache against recomputing the prefix; beam-4 sentences/s."""
+    """Greedy with the key/value cache, eager and replayed as a CUDA graph, against recomputing the prefix; beam-4."""
     from torch_handle.data import BOS_ID, EOS_ID
     from torch_handle.model import Transformer, TransformerConfig, generate
+    from torch_handle.model.generation import StaticDecoder
 
     settings = yaml.safe_load((ROOT / "configs" / "multi30k.yaml").read_text())["model"]["transformer"]
     settings = {**settings, **(TINY_MODEL if setting.dry_run else {}), "max_len": 512}
@@ -540,12 +604,19 @@ def decoding(setting: Setting) -> dict[str, Any]:
     src[:, -1] = EOS_ID
     start = torch.full((rows, 1), BOS_ID, device=setting.device)
 
-    def cached() -> None:
+    def cached() -> None:  # a fixed number of steps: a fresh model's EOS would end generate() at random
         with setting.autocast():
             memory, padding = model.encode(src), model.memory_padding(src)
             cache, token = model.new_cache(new), start
             for _ in range(new):
                 token = model.decode(token, memory, padding, cache)[:, -1:].argmax(-1)
+
+    def graphed() -> None:  # capture included: one graph per batch, as generate(cuda_graph=True) makes
+        with setting.autocast():
+            memory, padding = model.encode(src), model.memory_padding(src)
+            step, token = StaticDecoder(model, memory, padding, new, graph=True), start
+            for _ in range(new):
+                token = step(token)[:, -1:].argmax(-1)
 
     def recomputed() -> None:
         with setting.autocast():
@@ -554,20 +625,26 @@ def decoding(setting: Setting) -> dict[str, Any]:
             for _ in range(new):
                 tokens = torch.cat((tokens, model.decode(tokens, memory, padding)[:, -1:].argmax(-1)), dim=1)
 
-    with_cache = timed(cached, setting, repeats=3)
-    print(f"greedy with the cache: {with_cache:.3f} s", flush=True)  # the log shows how far a slow run got
-    without = timed(recomputed, setting, repeats=1)
-    print(f"greedy recomputing: {without:.3f} s", flush=True)
+    seconds = {}
+    for name, fn, repeats in (("cache", cached, 3), ("graph", graphed, 3), ("recomputed", recomputed, 1)):
+        seconds[name] = timed(fn, setting, repeats=repeats)
+        print(f"greedy, {name}: {seconds[name]:.3f} s", flush=True)  # the log shows how far a slow run got
     with setting.autocast():
         beam = timed(lambda: generate(model, src, 64 if not setting.dry_run else 8, num_beams=4), setting, repeats=3)
+    without = seconds["recomputed"]
     title = (
         f"The Multi30k recipe's model (`configs/multi30k.yaml`, fresh weights), {rows} sources of {length} tokens, "
-        f"`{setting.precision}`. Greedy at {new} new tokens with the cache: {without / with_cache:.1f}x faster than "
-        f"recomputing (goal >= 5x)."
+        f"`{setting.precision}`. Greedy at {new} new tokens with the cache: {without / seconds['cache']:.1f}x faster "
+        f"than recomputing eagerly, {without / seconds['graph']:.1f}x replayed as a CUDA graph (goal >= 5x)."
     )
     header = ["decoding", "seconds", "sentences/s"]
     table = [
-        [f"greedy, {new} tokens, key/value cache", _fmt(with_cache, 3), _fmt(rows / with_cache, 1)],
+        [f"greedy, {new} tokens, key/value cache", _fmt(seconds["cache"], 3), _fmt(rows / seconds["cache"], 1)],
+        [
+            f"greedy, {new} tokens, static key/value cache, CUDA graph (capture included)",
+            _fmt(seconds["graph"], 3),
+            _fmt(rows / seconds["graph"], 1),
+        ],
         [f"greedy, {new} tokens, prefix recomputed", _fmt(without, 3), _fmt(rows / without, 1)],
         ["beam 4, up to 64 tokens (stops at EOS)", _fmt(beam, 3), _fmt(rows / beam, 1)],
     ]
@@ -628,10 +705,12 @@ def main() -> None:
     parser.add_argument("--multi30k", type=Path, default=ROOT / "data" / "multi30k", help="the multi30k step's data")
     parser.add_argument("--multi30k-epochs", type=int, default=20, help="the multi30k step's epochs (124 steps each)")
     parser.add_argument("--strategy", choices=STRATEGY_CONFIGS, help="one_strategy's strategy config")
+    parser.add_argument("--overrides", type=json.loads, default={}, help="one_strategy's options over the config's")
+    parser.add_argument("--profile", action="store_true", help="one_strategy profiles its last step")
     args = parser.parse_args()
     setting = Setting(args.dry_run)
     extra = (args.multi30k, args.multi30k_epochs) if args.step == "multi30k" else ()
-    extra = (args.strategy,) if args.step == "one_strategy" else extra
+    extra = (args.strategy, args.overrides, args.profile) if args.step == "one_strategy" else extra
     result = {"step": args.step, "device": device_line(setting), **STEPS[args.step](setting, *extra)}
     result.setdefault("error", "" if result["ok"] else "see its table")
     args.out.write_text(json.dumps(result))

@@ -25,7 +25,8 @@ class StopOnDivergence(L.Callback):
     written from it: the last good ``last.ckpt`` stays (and :class:`~torch_handle.callbacks.checkpointing.Checkpoint`
     refuses non-finite weights besides). Every process checks its own losses and gradients (its shards under
     FSDP and tensor parallelism; under DeepSpeed ZeRO the gradients live in DeepSpeed's buffers, so the loss
-    decides) and one all-reduce makes every process stop at the same step. With a gradient scaler (``16-mixed``)
+    decides: a non-finite gradient behind a finite loss is applied, in bf16 as in fp32, and the next loss ends the
+    run) and one all-reduce makes every process stop at the same step. With a gradient scaler (``16-mixed``)
     infinite gradients are the scaler's business (it skips the step), so only the loss is checked.
     """
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 from conftest import requires_cuda
 
-from torch_handle.model import Transformer, TransformerConfig
+from torch_handle.model import Transformer, TransformerConfig, generate
+from torch_handle.model.generation import StaticDecoder
 from torch_handle.model.kernels import xformers_available
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
@@ -97,3 +98,29 @@ def test_unpadded_batches_train_on_the_flash_kernel() -> None:
         torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tgt[:, 1:].flatten()).backward()
     for (name, a), b in zip(naive.named_parameters(), other.parameters(), strict=True):
         torch.testing.assert_close(b.grad, a.grad, atol=5e-2, rtol=5e-2, msg=name)
+
+
+@pytest.mark.parametrize("position", ["sinusoidal", "rope", "alibi"])
+@torch.no_grad()
+def test_cuda_graph_greedy_equals_eager_greedy(position: str) -> None:
+    """fp32: the replayed static step decodes the tokens eager greedy search does, rows finishing at any step."""
+    model = Transformer(dataclasses.replace(CONFIG, position=position, attention_backend="sdpa")).cuda().eval()
+    src, _ = _batch()
+    expected = generate(model, src, 48)
+    assert torch.equal(generate(model, src, 48, cuda_graph=True), expected)
+
+
+@torch.no_grad()
+def test_cuda_graph_replays_the_eager_static_step_in_bf16() -> None:
+    """Under bf16 autocast (weights cast inside the graph) a replay gives the eager static step's logits exactly."""
+    model = Transformer(dataclasses.replace(CONFIG, attention_backend="sdpa")).cuda().eval()
+    src, _ = _batch()
+    tokens = torch.randint(3, 512, (src.shape[0], 20), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        memory, padding = model.encode(src), model.memory_padding(src)
+        graphed = StaticDecoder(model, memory, padding, 20, graph=True)
+        eager = StaticDecoder(model, memory, padding, 20, graph=False)
+        assert graphed.graph is not None
+        for i in range(20):
+            token = tokens[:, i : i + 1]
+            assert torch.equal(graphed(token), eager(token)), f"step {i}"

@@ -42,6 +42,8 @@ def test_dry_run_passes_every_step_and_writes_its_tables(tmp_path: Path, shared_
     ]
     zero = json.loads((tmp_path / "strategy_throughput.json").read_text())["tables"][0]["rows"]
     assert [row[0] for row in zero] == ["ddp", "zero2"] and zero[0][3] == "100.0" and float(zero[1][1]) > 0
+    decoding = json.loads((tmp_path / "decoding.json").read_text())["tables"][0]["rows"]
+    assert [row[0].split(",")[1] for row in decoding] == [" 16 tokens"] * 3 + [" up to 64 tokens (stops at EOS)"]
     assert report.index("## multi30k") < report.index("## throughput")  # side by side first, then the timed steps
     bleu = json.loads((tmp_path / "multi30k.json").read_text())["tables"][0]
     assert bleu["rows"][0][:2] == ["test_2016_flickr", 20] and float(bleu["rows"][0][2]) >= 0

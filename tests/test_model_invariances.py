@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from torch_handle.model import BackendUnavailableError, Transformer, TransformerConfig
-from torch_handle.model.generation import beam_search, generate, greedy_search
+from torch_handle.model.generation import StaticDecoder, beam_search, generate, greedy_search
 from torch_handle.model.kernels import xformers_available
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -189,6 +189,47 @@ def test_cached_greedy_equals_uncached_argmax(position: str) -> None:
     expected = _uncached_greedy(model, src, steps)
     assert out.shape[1] == steps or (out == EOS).any(dim=1).all()
     assert torch.equal(out, expected[:, : out.shape[1]])
+
+
+@pytest.mark.parametrize("position", POSITIONS)
+@torch.no_grad()
+def test_a_static_cache_step_gives_the_dynamic_cache_logits(position: str) -> None:
+    # The static cache attends over its whole capacity with the unwritten keys masked, and reads its position
+    # from a tensor (what a CUDA graph replays); the logits must be the sliced cache's at every step.
+    model = _model(position=position, attention_backend="sdpa")
+    src, _ = _batch()
+    memory, padding = model.encode(src), model.memory_padding(src)
+    steps = 9
+    static = StaticDecoder(model, memory, padding, steps, graph=False)
+    cache = model.new_cache(steps)
+    tokens = torch.randint(3, VOCAB, (src.shape[0], steps))
+    for i in range(steps):
+        expected = model.decode(tokens[:, i : i + 1], memory, padding, cache)
+        torch.testing.assert_close(static(tokens[:, i : i + 1]), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("position", POSITIONS)
+@torch.no_grad()
+def test_static_greedy_equals_greedy_where_rows_finish_at_different_steps(position: str) -> None:
+    # Off CUDA ``cuda_graph=True`` runs the graph's static step eagerly: finished rows keep stepping, write nothing.
+    model = _model(position=position, attention_backend="sdpa", tie_embeddings=False)
+    src = torch.randint(3, VOCAB, (8, 11))
+    src[1, 7:] = PAD
+    src[5, 3:] = PAD
+    eos = model.lm_head.weight[EOS].clone()
+    for scale in (1, 1.25, 1.5, 2, 2.5, 3, 4, 6):  # a likelier EOS until rows end at different steps
+        model.lm_head.weight[EOS] = eos * scale
+        out = generate(model, src, 12)
+        if len(set((out != PAD).sum(dim=1).tolist())) > 2:
+            break
+    else:
+        pytest.fail(f"no EOS scale makes rows end at different steps: {out}")
+    assert torch.equal(generate(model, src, 12, cuda_graph=True), out)
+
+
+def test_a_static_cache_past_max_len_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"^a cache of 65 positions exceeds max_len=64 of position='sinusoidal'"):
+        _model().new_cache(65, static=True)
 
 
 class _PrefixCache:

@@ -222,3 +222,29 @@ def test_zero3_folder_tests_and_exports(tied: bool, base: Path, tmp_path: Path) 
             torch.testing.assert_close(tensor, gathered[f"model.{name}"], atol=0, rtol=0)
     if tied:
         assert model.src_embed.weight is model.tgt_embed.weight
+
+
+@pytest.mark.parametrize(
+    ("precision", "config", "expected"),
+    [
+        ("bf16-mixed", None, {"enabled": True, "check_grad_overflow": False}),
+        ("32-true", None, None),
+        # a DeepSpeed config of the user's that asks for the check keeps it
+        (
+            "bf16-mixed",
+            {"bf16": {"enabled": True, "check_grad_overflow": True}},
+            {"enabled": True, "check_grad_overflow": True},
+        ),
+    ],
+)
+def test_bf16_deepspeed_applies_every_step_as_ddp_does(
+    precision: str, config: dict | None, expected: dict | None
+) -> None:
+    # ZeRO-2's overflow check tests every gradient one by one: 10-15% of a step, for a loss scale bf16 does not have.
+    from lightning.pytorch.plugins.precision import DeepSpeedPrecision
+
+    from torch_handle.strategies import DeepSpeedStrategy
+
+    strategy = DeepSpeedStrategy(stage=2, config=config, precision_plugin=DeepSpeedPrecision(precision))
+    strategy._format_config()
+    assert strategy.config.get("bf16") == expected

@@ -17,18 +17,29 @@ class KVCache:
     """Keys and values of one attention layer, preallocated for ``capacity`` positions.
 
     Beam search reorders it along the batch dimension, and finished rows leave it, with :meth:`select`.
+    With a ``position`` tensor the cache is static: a new key is written at that position, on the device, and
+    the whole capacity is returned (the caller masks the positions not yet written), so that every step runs
+    the same kernels on the same buffers and a CUDA graph can replay it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, position: Tensor | None = None) -> None:
         self.k: Tensor | None = None  # (B, H, capacity, D)
         self.v: Tensor | None = None
         self.length = 0
+        self.position = position  # (1,): the next position of a static cache, advanced by its owner
 
     def append(self, k: Tensor, v: Tensor, capacity: int) -> tuple[Tensor, Tensor]:
         if self.k is None:
             shape = (*k.shape[:2], capacity, k.shape[-1])
-            self.k, self.v = k.new_empty(shape), v.new_empty(shape)
+            # A static cache's unwritten keys and values are masked, not sliced off, and a masked NaN left in
+            # uninitialised memory would still poison the output (0 * NaN): they start as zeros.
+            new = torch.zeros if self.position is not None else torch.empty
+            self.k, self.v = (new(shape, dtype=t.dtype, device=t.device) for t in (k, v))
         assert self.v is not None
+        if self.position is not None:
+            self.k.index_copy_(2, self.position, k)
+            self.v.index_copy_(2, self.position, v)
+            return self.k, self.v
         end = self.length + k.shape[-2]
         self.k[:, :, self.length : end] = k
         self.v[:, :, self.length : end] = v

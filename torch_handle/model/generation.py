@@ -21,22 +21,73 @@ def next_token_logits(logits: Tensor, pad_id: int, bos_id: int) -> Tensor:
     return logits
 
 
+class StaticDecoder:
+    """The decoder's one-token step over a static cache (:meth:`Transformer.new_cache`), replayed as a CUDA graph.
+
+    A step of a small model is a few hundred kernels of microseconds each, so eagerly the GPU waits on Python
+    most of the time; a graph launches the whole step at once. Capture needs fixed shapes and buffers, so rows
+    never leave the batch. Off CUDA (or with ``graph=False``) the same static step runs eagerly. The model's
+    weights must not change while a decoder is in use, and nothing in its forward pass may communicate.
+    """
+
+    def __init__(self, model: Transformer, memory: Tensor, memory_padding: Tensor, capacity: int, graph: bool) -> None:
+        self.cache = model.new_cache(capacity, static=True)
+        self.token = torch.full((memory.shape[0], 1), model.config.bos_id, dtype=torch.long, device=memory.device)
+
+        def step() -> Tensor:
+            return model.decode(self.token, memory, memory_padding, self.cache)
+
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.step = step
+        if not (graph and memory.is_cuda):
+            return
+        # Autocast's cache of cast weights would be freed when the caller's autocast region ends, under a graph
+        # that still reads it: the casts go into the graph instead.
+        autocast = torch.autocast(
+            "cuda", torch.get_autocast_dtype("cuda"), enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False
+        )
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), autocast:  # fills the cross-attention cache; cuBLAS warms up off the graph
+            step()
+            step()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph), autocast:
+            self.logits = step()
+        assert self.cache.position is not None
+        self.cache.position.zero_()  # the warm-up steps' keys are masked, then overwritten
+
+    def __call__(self, token: Tensor) -> Tensor:
+        """Logits ``(B, 1, V)`` after ``token (B, 1)``, the next position."""
+        if self.graph is None:
+            self.token = token
+            return self.step()
+        self.token.copy_(token)
+        self.graph.replay()
+        return self.logits
+
+
 def greedy_search(
     model: Transformer,
     src: Tensor,
     max_new_tokens: int,
     all_done: Callable[[bool], bool] = bool,
     memory: Tensor | None = None,
+    cuda_graph: bool = False,
 ) -> Tensor:
     """Pick the most likely token at every step; stop once every row has produced EOS.
 
     A row that has produced EOS leaves the batch: the decoder computes only the rows still running.
     ``all_done`` turns this process's "finished" into everyone's (see :func:`generate`); a process done
-    before the others keeps stepping its last rows, writing nothing.
+    before the others keeps stepping its last rows, writing nothing. ``cuda_graph``: decode with a
+    :class:`StaticDecoder` instead, where finished rows keep stepping and write nothing.
     """
     c = model.config
     memory = model.encode(src) if memory is None else memory
     memory_padding = model.memory_padding(src)
+    if cuda_graph:
+        return _static_greedy(model, memory, memory_padding, max_new_tokens, all_done)
     cache = model.new_cache(max_new_tokens)
     out = torch.full((src.shape[0], max_new_tokens), c.pad_id, dtype=torch.long, device=src.device)
     rows = torch.arange(src.shape[0], device=src.device)  # the batch rows still decoding
@@ -55,6 +106,23 @@ def greedy_search(
             keep = running.nonzero().squeeze(1)
             rows, token, memory, memory_padding = rows[keep], token[keep], memory[keep], memory_padding[keep]
             cache.select(keep)
+    return out
+
+
+def _static_greedy(
+    model: Transformer, memory: Tensor, memory_padding: Tensor, max_new_tokens: int, all_done: Callable[[bool], bool]
+) -> Tensor:
+    c = model.config
+    step = StaticDecoder(model, memory, memory_padding, max_new_tokens, graph=True)
+    out = torch.full((memory.shape[0], max_new_tokens), c.pad_id, dtype=torch.long, device=memory.device)
+    finished = torch.zeros(memory.shape[0], dtype=torch.bool, device=memory.device)
+    token = step.token
+    for i in range(max_new_tokens):
+        token = next_token_logits(step(token), c.pad_id, c.bos_id).max(dim=-1, keepdim=True).indices
+        out[:, i] = token[:, 0].masked_fill(finished, c.pad_id)
+        finished |= token[:, 0] == c.eos_id
+        if all_done(bool(finished.all())):
+            return out[:, : i + 1]
     return out
 
 
@@ -154,6 +222,7 @@ def generate(
     length_penalty: float = 1.0,
     all_done: Callable[[bool], bool] = bool,
     memory: Tensor | None = None,
+    cuda_graph: bool = False,
 ) -> Tensor:
     """Generated ids ``(B, L)`` without BOS, ``pad_id`` after EOS.
 
@@ -162,11 +231,13 @@ def generate(
     ``all_done`` maps "this process is done" to "every process is done": where forward passes communicate
     (ZeRO-3 and FSDP gather parameters in them), processes that finish early must keep stepping in
     lockstep until all have finished, so the caller passes a reduction over processes here.
+    ``cuda_graph``: greedy decoding replays each step as a CUDA graph (:class:`StaticDecoder`); only where the
+    model is a plain module (no sharded parameters gathered in its forward pass). Beam search ignores it.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if num_beams < 1:
         raise ValueError(f"num_beams must be >= 1, got {num_beams}")
     if num_beams == 1:
-        return greedy_search(model, src, max_new_tokens, all_done, memory)
+        return greedy_search(model, src, max_new_tokens, all_done, memory, cuda_graph)
     return beam_search(model, src, max_new_tokens, num_beams, length_penalty, all_done, memory)

@@ -22,7 +22,8 @@ class MaskSpec:
         causal: A query never sees keys at later positions.
         window: Local attention: a query sees keys at most this many positions away.
         alibi: ``(H,)`` ALiBi slopes: the score drops by ``slope * |i - j|``.
-        q_offset: Position of the first query (keys start at 0); non-zero while decoding with a cache.
+        q_offset: Position of the first query (keys start at 0); non-zero while decoding with a cache, a ``(1,)``
+            tensor with a static one.
         built: What a kernel derived from this spec (flex's block mask), kept so that every layer of one
             forward pass reuses it.
     """
@@ -31,7 +32,7 @@ class MaskSpec:
     causal: bool = False
     window: int | None = None
     alibi: Tensor | None = None
-    q_offset: int = 0
+    q_offset: int | Tensor = 0
     built: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
 

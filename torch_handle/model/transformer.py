@@ -34,12 +34,19 @@ class DecoderContext(NamedTuple):
 
 
 class DecoderCache:
-    """Per-layer self-attention and cross-attention caches for incremental decoding."""
+    """Per-layer self-attention and cross-attention caches for incremental decoding.
 
-    def __init__(self, num_layers: int, capacity: int) -> None:
-        self.layers = [(KVCache(), KVCache()) for _ in range(num_layers)]
+    A static cache (``position`` given, a ``(1,)`` tensor on the device) keeps its shapes and buffers from step to
+    step and advances its position on the device: see :meth:`Transformer.new_cache`.
+    """
+
+    def __init__(self, num_layers: int, capacity: int, position: Tensor | None = None) -> None:
+        self.layers = [(KVCache(position), KVCache()) for _ in range(num_layers)]
         self.capacity = capacity
         self.length = 0
+        self.position = position
+        self.cross_spec: MaskSpec | None = None  # a static cache's cross-attention mask, built at its first step
+        self.rope: tuple[Tensor, Tensor] | None = None  # a static cache's RoPE angles for every position
 
     def select(self, index: Tensor) -> None:
         """Row ``i`` becomes row ``index[i]`` of before: beam search's reorder, or finished rows dropping out.
@@ -112,18 +119,18 @@ class Transformer(nn.Module):
 
     # --- pieces -------------------------------------------------------------------------------------------
 
-    def _embed(self, tokens: Tensor, embed: nn.Embedding, table: nn.Embedding | None, offset: int) -> Tensor:
+    def _embed(self, tokens: Tensor, embed: nn.Embedding, table: nn.Embedding | None, offset: int | Tensor) -> Tensor:
         c = self.config
         x = embed(tokens) * math.sqrt(c.d_model)  # (B, T, C)
         if c.position in ("sinusoidal", "learned"):
-            end = offset + tokens.shape[1]
+            end = offset + tokens.shape[1] if isinstance(offset, int) else 0  # a static cache checked at creation
             if end > c.max_len:
                 raise ValueError(
                     f"a sequence of {end} tokens exceeds max_len={c.max_len} of position={c.position!r}: "
                     "raise max_len or use position='rope' or 'alibi'"
                 )
-            positions = torch.arange(offset, end, device=tokens.device)
-            x = x + (self.pe[offset:end] if table is None else table(positions)).to(x.dtype)
+            positions = torch.arange(tokens.shape[1], device=tokens.device) + offset
+            x = x + (self.pe[positions] if table is None else table(positions)).to(x.dtype)
         return self.dropout(x)
 
     def _rope(self, offset: int, length: int, device: torch.device) -> tuple[Tensor, Tensor] | None:
@@ -179,7 +186,7 @@ class Transformer(nn.Module):
         """Scaled source embeddings plus absolute positions, after dropout: the first encoder layer's input."""
         return self._embed(src, self.src_embed, getattr(self, "src_pos", None), offset)
 
-    def embed_target(self, tgt: Tensor, offset: int = 0) -> Tensor:
+    def embed_target(self, tgt: Tensor, offset: int | Tensor = 0) -> Tensor:
         """Scaled target embeddings plus absolute positions, after dropout: the first decoder layer's input."""
         return self._embed(tgt, self.tgt_embed, getattr(self, "tgt_pos", None), offset)
 
@@ -236,9 +243,25 @@ class Transformer(nn.Module):
         counts = keep.view(b, -1, r).sum(dim=2, keepdim=True).clamp(min=1)
         return sums / counts
 
-    def new_cache(self, capacity: int) -> DecoderCache:
-        """An empty cache for decoding up to ``capacity`` target positions."""
-        return DecoderCache(len(self.decoder_layers), capacity)
+    def new_cache(self, capacity: int, static: bool = False) -> DecoderCache:
+        """An empty cache for decoding up to ``capacity`` target positions, one token per step.
+
+        ``static``: every step attends over the whole capacity (the positions not yet written masked) and reads its
+        position from a tensor, with no host synchronisation after the first step; a CUDA graph can then capture a
+        step and replay it (:class:`torch_handle.model.generation.StaticDecoder`).
+        """
+        if not static:
+            return DecoderCache(len(self.decoder_layers), capacity)
+        c = self.config
+        if c.position in ("sinusoidal", "learned") and capacity > c.max_len:
+            raise ValueError(
+                f"a cache of {capacity} positions exceeds max_len={c.max_len} of position={c.position!r}: "
+                "decode fewer tokens or raise max_len"
+            )
+        device = self.tgt_embed.weight.device
+        cache = DecoderCache(len(self.decoder_layers), capacity, torch.zeros(1, dtype=torch.long, device=device))
+        cache.rope = self._rope(0, capacity, device)
+        return cache
 
     def decode(self, tgt: Tensor, memory: Tensor, memory_padding: Tensor, cache: DecoderCache | None = None) -> Tensor:
         """Logits ``(B, T, V)`` for decoder inputs ``tgt (B, T)`` over ``memory``.
@@ -246,6 +269,8 @@ class Transformer(nn.Module):
         With a ``cache``, ``tgt`` holds only the new tokens; their positions continue the cached ones, and
         cross-attention keys and values are computed once and kept.
         """
+        if cache is not None and cache.position is not None:
+            return self._decode_static(tgt, memory, memory_padding, cache)
         offset = 0 if cache is None else cache.length
         x = self.embed_target(tgt, offset)
         context = self.decoder_context(tgt, memory_padding, offset)
@@ -254,6 +279,24 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.decoder_layers):
             x = layer(x, memory, context.self_spec, context.cross_spec, context.rope, cache.layers[i], cache.capacity)
         cache.length += tgt.shape[1]
+        return self.logits(x)
+
+    def _decode_static(self, tgt: Tensor, memory: Tensor, memory_padding: Tensor, cache: DecoderCache) -> Tensor:
+        """:meth:`decode` of one token over a static cache: the keys past the position are masked as padding."""
+        if tgt.shape[1] != 1:
+            raise ValueError(f"a static cache decodes one token per step, got {tgt.shape[1]}")
+        position = cache.position
+        assert position is not None
+        if cache.cross_spec is None:  # the one host synchronisation, at the first step
+            cache.cross_spec = MaskSpec(key_padding=_any_padding(memory_padding))
+        keys = torch.arange(cache.capacity, device=tgt.device)
+        future = (keys > position).expand(tgt.shape[0], -1)
+        self_spec = MaskSpec(key_padding=future, alibi=self._slopes, q_offset=position)
+        rope = None if cache.rope is None else (cache.rope[0][position], cache.rope[1][position])
+        x = self.embed_target(tgt, position)
+        for i, layer in enumerate(self.decoder_layers):
+            x = layer(x, memory, self_spec, cache.cross_spec, rope, cache.layers[i], cache.capacity)
+        position.add_(1)
         return self.logits(x)
 
     def forward(self, src: Tensor, tgt: Tensor) -> Tensor:

@@ -1,0 +1,21 @@
+"""``benchmarks/bench_zero_bf16.py --dry-run`` runs its three settings, so the script cannot rot."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.helpers import ROOT, RUN_TIMEOUT, env
+
+
+def test_dry_run_measures_ddp_and_zero2_with_and_without_the_overflow_check() -> None:
+    run = subprocess.run(
+        [sys.executable, "benchmarks/bench_zero_bf16.py", "--dry-run"],
+        cwd=ROOT, env=env(), capture_output=True, text=True, timeout=RUN_TIMEOUT,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [line.split(" | ") for line in run.stdout.splitlines() if line.startswith(("| DDP", "| ZeRO-2"))]
+    assert [row[0] for row in rows] == ["| DDP", "| ZeRO-2 as shipped: no overflow check in bf16"] + [
+        "| ZeRO-2 with DeepSpeed's default check_grad_overflow: true"
+    ]
+    assert rows[0][3] == "1.00 |" and all(float(row[1]) > 0 for row in rows)
