@@ -208,10 +208,13 @@ def test_a_static_cache_step_gives_the_dynamic_cache_logits(position: str) -> No
         torch.testing.assert_close(static(tokens[:, i : i + 1]), expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("position", POSITIONS)
+@pytest.mark.parametrize(
+    ("position", "mode"), [*((p, "cuda_graph") for p in POSITIONS), ("sinusoidal", "compile_step")]
+)
 @torch.no_grad()
-def test_static_greedy_equals_greedy_where_rows_finish_at_different_steps(position: str) -> None:
-    # Off CUDA ``cuda_graph=True`` runs the graph's static step eagerly: finished rows keep stepping, write nothing.
+def test_static_greedy_equals_greedy_where_rows_finish_at_different_steps(position: str, mode: str) -> None:
+    # Off CUDA ``cuda_graph=True`` runs the graph's static step eagerly, ``compile_step=True`` compiles it: finished
+    # rows keep stepping and write nothing.
     model = _model(position=position, attention_backend="sdpa", tie_embeddings=False)
     src = torch.randint(3, VOCAB, (8, 11))
     src[1, 7:] = PAD
@@ -224,7 +227,7 @@ def test_static_greedy_equals_greedy_where_rows_finish_at_different_steps(positi
             break
     else:
         pytest.fail(f"no EOS scale makes rows end at different steps: {out}")
-    assert torch.equal(generate(model, src, 12, cuda_graph=True), out)
+    assert torch.equal(generate(model, src, 12, **{mode: True}), out)
 
 
 def test_a_static_cache_past_max_len_is_refused() -> None:
