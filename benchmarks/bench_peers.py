@@ -283,24 +283,18 @@ def _decode_child(impl: str, s: Sizes, repeats: int, threads: int, folder: Path 
         decode = _torch_decoder(impl, s, src)
 
     figures: dict[str, Any] = {"agreement": agreement}
-    modes = [("greedy", 1, decode), ("beam", s.beams, decode)]
-    if impl == "ours":  # the static-cache step under torch.compile; its warm-up call compiles
-        modes.append(("greedy_compiled", 1, _torch_decoder(impl, s, src, compile_step=True)))
-    outputs = {}
-    for name, beams, decode in modes:
-        sentences = outputs[name] = decode(beams)
+    for name, beams in (("greedy", 1), ("beam", s.beams)):
+        sentences = decode(beams)
         lengths = sorted({len(row) for row in sentences})
         assert len(sentences) == s.sources and lengths == [s.new_tokens], f"{impl} {name}: lengths {lengths}"
         assert all(EOS not in row for row in sentences), f"{impl} {name}: EOS before the forced length"
-        wall, cpu = common.median_wall_and_cpu(lambda beams=beams, decode=decode: decode(beams), repeats, warmup=1)
+        wall, cpu = common.median_wall_and_cpu(lambda beams=beams: decode(beams), repeats, warmup=1)
         figures[name] = {"wall": wall, "cpu": cpu, "length": lengths[0]}
-    assert outputs.get("greedy_compiled", outputs["greedy"]) == outputs["greedy"], "compiled greedy differs from eager"
     return figures | {"peak_rss": common.peak_rss_bytes()}
 
 
-def _torch_decoder(impl: str, s: Sizes, src: Any, compile_step: bool = False) -> Callable[[int], list[list[int]]]:  # noqa: ANN401
-    """``decode(num_beams)`` -> the generated ids of each sentence, for ours (``compile_step``: see ``generate``) or a
-    Hugging Face model."""
+def _torch_decoder(impl: str, s: Sizes, src: Any) -> Callable[[int], list[list[int]]]:  # noqa: ANN401
+    """``decode(num_beams)`` -> the generated ids of each sentence, for ours or a Hugging Face model."""
     import torch
 
     if impl == "ours":
@@ -309,7 +303,7 @@ def _torch_decoder(impl: str, s: Sizes, src: Any, compile_step: bool = False) ->
         model = _our_model(s).eval()
 
         def decode(beams: int) -> list[list[int]]:
-            out = generate(model, src, s.new_tokens, num_beams=beams, compile_step=compile_step)  # PAD after EOS
+            out = generate(model, src, s.new_tokens, num_beams=beams)  # (B, L), PAD after EOS
             return [[t for t in row if t != PAD] for row in out.tolist()]
 
         return decode
@@ -431,13 +425,8 @@ def _table(runs: dict[str, dict[str, list[dict]]], s: Sizes) -> tuple[list[str],
         row("training peak RSS (MiB)", {i: f"{_peak(train[i]):,.0f}" for i in TRAINABLE}),
         row("parameters", {i: f"{train[i][0]['parameters']:,}" for i in TRAINABLE}),
     ]
-    for name, label in (
-        ("greedy", "greedy"),
-        ("greedy_compiled", "greedy (ours: compiled step)"),
-        ("beam", f"beam {s.beams}"),
-    ):
-        # ours compiled: the static-cache step under torch.compile (generate(compile_step=True)); the peers as eager
-        speed = {i: s.sources / _pooled(decode[i], name if i == "ours" else name.split("_")[0], "wall") for i in IMPLS}
+    for name, label in (("greedy", "greedy"), ("beam", f"beam {s.beams}")):
+        speed = {i: s.sources / _pooled(decode[i], name, "wall") for i in IMPLS}
         goal = _goal(speed["ours"] / speed["bart"], ">=", 1.5, "BART") + "; "
         goal += _goal(speed["ours"] / speed["ct2-fp32"], ">=", 0.8, "CT2 fp32")
         label = f"{label} decoding, sentences/s (wall), {s.sources} x {s.source_len} tokens in"

@@ -36,11 +36,13 @@ def child(setting: str, dry_run: bool) -> None:
     """One setting in this process: prints ``{"seconds": median step, "tensors": parameter tensors}``."""
     import torch
     from gpu_steps import Setting, Timing, _batches, _lightning_step
+    from typing_extensions import override
 
     from torch_handle.model import Transformer, TransformerConfig
     from torch_handle.strategies import DeepSpeedStrategy
 
     class Checked(DeepSpeedStrategy):
+        @override
         def _format_config(self) -> None:
             super()._format_config()
             self.config["bf16"]["check_grad_overflow"] = True

@@ -21,12 +21,14 @@ class DivergenceError(SetupError):
 class StopOnDivergence(L.Callback):
     """Ends the run with one ``error: training diverged ...`` line when the loss or gradient norm is not finite.
 
-    Checked before each optimizer step, so the non-finite update is never applied and no checkpoint is
-    written from it: the last good ``last.ckpt`` stays (and :class:`~torch_handle.callbacks.checkpointing.Checkpoint`
-    refuses non-finite weights besides). Every process checks its own losses and gradients (its shards under
-    FSDP and tensor parallelism; under DeepSpeed ZeRO the gradients live in DeepSpeed's buffers, so the loss
-    decides: a non-finite gradient behind a finite loss is applied, in bf16 as in fp32, and the next loss ends the
-    run) and one all-reduce makes every process stop at the same step. With a gradient scaler (``16-mixed``)
+    Checked before each optimizer step, so the non-finite update is not applied (but see DeepSpeed below) and no
+    checkpoint is written from it: the last good ``last.ckpt`` stays (and
+    :class:`~torch_handle.callbacks.checkpointing.Checkpoint` refuses non-finite weights besides). Every process
+    checks its own losses and gradients (its shards under FSDP and tensor parallelism; under DeepSpeed ZeRO the
+    gradients live in DeepSpeed's buffers, so the loss decides; DeepSpeed skips a step whose gradient norm is not
+    finite, except ZeRO-2 in bf16, whose overflow check :class:`~torch_handle.strategies.DeepSpeedStrategy` turns
+    off: there such a step is applied and the next loss ends the run) and one all-reduce makes every process stop at
+    the same step. With a gradient scaler (``16-mixed``)
     infinite gradients are the scaler's business (it skips the step), so only the loss is checked.
     """
 

@@ -100,14 +100,15 @@ def test_unpadded_batches_train_on_the_flash_kernel() -> None:
         torch.testing.assert_close(b.grad, a.grad, atol=5e-2, rtol=5e-2, msg=name)
 
 
-@pytest.mark.parametrize("position", ["sinusoidal", "rope", "alibi"])
+@pytest.mark.parametrize(("position", "new_tokens"), [("sinusoidal", 48), ("rope", 48), ("alibi", 48), ("rope", 1)])
 @torch.no_grad()
-def test_cuda_graph_greedy_equals_eager_greedy(position: str) -> None:
-    """fp32: the replayed static step decodes the tokens eager greedy search does, rows finishing at any step."""
+def test_cuda_graph_greedy_equals_eager_greedy(position: str, new_tokens: int) -> None:
+    """fp32: the replayed static step decodes the tokens eager greedy search does, rows finishing at any step; a
+    capacity of one token holds the warm-up steps too."""
     model = Transformer(dataclasses.replace(CONFIG, position=position, attention_backend="sdpa")).cuda().eval()
     src, _ = _batch()
-    expected = generate(model, src, 48)
-    assert torch.equal(generate(model, src, 48, cuda_graph=True), expected)
+    expected = generate(model, src, new_tokens)
+    assert torch.equal(generate(model, src, new_tokens, cuda_graph=True), expected)
 
 
 @torch.no_grad()

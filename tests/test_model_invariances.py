@@ -192,11 +192,12 @@ def test_cached_greedy_equals_uncached_argmax(position: str) -> None:
 
 
 @pytest.mark.parametrize("position", POSITIONS)
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
 @torch.no_grad()
-def test_a_static_cache_step_gives_the_dynamic_cache_logits(position: str) -> None:
+def test_a_static_cache_step_gives_the_dynamic_cache_logits(position: str, backend: str) -> None:
     # The static cache attends over its whole capacity with the unwritten keys masked, and reads its position
     # from a tensor (what a CUDA graph replays); the logits must be the sliced cache's at every step.
-    model = _model(position=position, attention_backend="sdpa")
+    model = _model(position=position, attention_backend=backend)
     src, _ = _batch()
     memory, padding = model.encode(src), model.memory_padding(src)
     steps = 9
@@ -208,13 +209,10 @@ def test_a_static_cache_step_gives_the_dynamic_cache_logits(position: str) -> No
         torch.testing.assert_close(static(tokens[:, i : i + 1]), expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize(
-    ("position", "mode"), [*((p, "cuda_graph") for p in POSITIONS), ("sinusoidal", "compile_step")]
-)
+@pytest.mark.parametrize("position", POSITIONS)
 @torch.no_grad()
-def test_static_greedy_equals_greedy_where_rows_finish_at_different_steps(position: str, mode: str) -> None:
-    # Off CUDA ``cuda_graph=True`` runs the graph's static step eagerly, ``compile_step=True`` compiles it: finished
-    # rows keep stepping and write nothing.
+def test_static_greedy_equals_greedy_where_rows_finish_at_different_steps(position: str) -> None:
+    # Off CUDA ``cuda_graph=True`` runs the graph's static step eagerly: finished rows keep stepping, write nothing.
     model = _model(position=position, attention_backend="sdpa", tie_embeddings=False)
     src = torch.randint(3, VOCAB, (8, 11))
     src[1, 7:] = PAD
@@ -227,7 +225,18 @@ def test_static_greedy_equals_greedy_where_rows_finish_at_different_steps(positi
             break
     else:
         pytest.fail(f"no EOS scale makes rows end at different steps: {out}")
-    assert torch.equal(generate(model, src, 12, **{mode: True}), out)
+    assert torch.equal(generate(model, src, 12, cuda_graph=True), out)
+
+
+@torch.no_grad()
+def test_a_static_cache_refuses_to_reorder_its_rows() -> None:
+    model = _model()
+    src, _ = _batch()
+    memory, padding = model.encode(src), model.memory_padding(src)
+    static = StaticDecoder(model, memory, padding, 4, graph=False)
+    static(torch.full((src.shape[0], 1), BOS))
+    with pytest.raises(ValueError, match=r"^a static cache keeps its rows and their order"):
+        static.cache.select(torch.tensor([1, 0, 2]))
 
 
 def test_a_static_cache_past_max_len_is_refused() -> None:

@@ -52,6 +52,8 @@ class KVCache:
         Most beams continue their own prefix, so a reorder copies only the rows that change, and only their
         filled positions, in place; a shrinking batch copies the rest into a smaller cache.
         """
+        if self.position is not None:
+            raise ValueError("a static cache keeps its rows and their order: decode with a dynamic cache to reorder")
         if self.k is None or self.v is None:
             return
         if index.shape[0] != self.k.shape[0]:

@@ -6,14 +6,13 @@ import points one way, generation -> transformer.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 from torch_handle.model.config import TransformerConfig
-from torch_handle.model.transformer import DecoderCache, Transformer
+from torch_handle.model.transformer import Transformer
 
 
 def next_token_logits(logits: Tensor, pad_id: int, bos_id: int) -> Tensor:
@@ -23,29 +22,13 @@ def next_token_logits(logits: Tensor, pad_id: int, bos_id: int) -> Tensor:
     return logits
 
 
-def _static_step(
-    model: Transformer, token: Tensor, memory: Tensor, memory_padding: Tensor, cache: DecoderCache
-) -> Tensor:
-    return model.decode(token, memory, memory_padding, cache)
-
-
-@functools.cache
-def _compiled_static_step() -> Callable[..., Tensor]:
-    """One compiled step for every :class:`StaticDecoder`: with dynamic shapes a new batch size or source length reuses
-    it. Built on first use, since importing the compiler costs every process a second or two."""
-    return torch.compile(_static_step, dynamic=True)
-
-
 class StaticDecoder:
-    """The decoder's one-token step over a static cache (:meth:`Transformer.new_cache`), replayed as a CUDA graph or
-    compiled.
+    """The decoder's one-token step over a static cache (:meth:`Transformer.new_cache`), replayed as a CUDA graph.
 
     A step of a small model is a few hundred kernels of microseconds each, so eagerly the GPU waits on Python
     most of the time; a graph launches the whole step at once. Capture needs fixed shapes and buffers, so rows
-    never leave the batch. Without a graph (off CUDA, or ``graph=False``) the same static step runs eagerly, or
-    with ``compile`` under ``torch.compile`` (dynamic shapes; the first step, which fills the cross-attention
-    cache, stays eager). The model's weights must not change while a decoder is in use, and nothing in its
-    forward pass may communicate.
+    never leave the batch. Off CUDA (or with ``graph=False``) the same static step runs eagerly. The model's
+    weights must not change while a decoder is in use, and nothing in its forward pass may communicate.
     """
 
     def __init__(
@@ -55,19 +38,15 @@ class StaticDecoder:
         memory_padding: Tensor,
         capacity: int,
         graph: bool,
-        compile: bool = False,
     ) -> None:
         self.cache = model.new_cache(capacity, static=True)
         self.token = torch.full((memory.shape[0], 1), model.config.bos_id, dtype=torch.long, device=memory.device)
-        self.compile = compile and not (graph and memory.is_cuda)  # a graph replays kernels already
-        self.first = True
 
         def step() -> Tensor:
-            run = _compiled_static_step() if self.compile and not self.first else _static_step
-            self.first = False
-            return run(model, self.token, memory, memory_padding, self.cache)
+            return model.decode(self.token, memory, memory_padding, self.cache)
 
         self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: Tensor | None = None  # the graph's output buffer
         self.step = step
         if not (graph and memory.is_cuda):
             return
@@ -78,15 +57,16 @@ class StaticDecoder:
         )
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
+        assert self.cache.position is not None
         with torch.cuda.stream(stream), autocast:  # fills the cross-attention cache; cuBLAS warms up off the graph
-            step()
-            step()
+            for _ in range(2):
+                step()
+                self.cache.position.zero_()  # within the capacity, even a capacity of one
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph), autocast:
             self.logits = step()
-        assert self.cache.position is not None
-        self.cache.position.zero_()  # the warm-up steps' keys are masked, then overwritten
+        self.cache.position.zero_()  # capture ran no kernel; the warm-up's keys are masked, then overwritten
 
     def __call__(self, token: Tensor) -> Tensor:
         """Logits ``(B, 1, V)`` after ``token (B, 1)``, the next position."""
@@ -95,6 +75,7 @@ class StaticDecoder:
             return self.step()
         self.token.copy_(token)
         self.graph.replay()
+        assert self.logits is not None
         return self.logits
 
 
@@ -105,21 +86,19 @@ def greedy_search(
     all_done: Callable[[bool], bool] = bool,
     memory: Tensor | None = None,
     cuda_graph: bool = False,
-    compile_step: bool = False,
 ) -> Tensor:
     """Pick the most likely token at every step; stop once every row has produced EOS.
 
     A row that has produced EOS leaves the batch: the decoder computes only the rows still running.
     ``all_done`` turns this process's "finished" into everyone's (see :func:`generate`); a process done
-    before the others keeps stepping its last rows, writing nothing. ``cuda_graph`` or ``compile_step``: decode
-    with a :class:`StaticDecoder` instead (replayed as a CUDA graph, or compiled), where finished rows keep
-    stepping and write nothing.
+    before the others keeps stepping its last rows, writing nothing. ``cuda_graph``: decode with a
+    :class:`StaticDecoder` instead, where finished rows keep stepping and write nothing.
     """
     c = model.config
     memory = model.encode(src) if memory is None else memory
     memory_padding = model.memory_padding(src)
-    if cuda_graph or compile_step:
-        step = StaticDecoder(model, memory, memory_padding, max_new_tokens, graph=cuda_graph, compile=compile_step)
+    if cuda_graph:
+        step = StaticDecoder(model, memory, memory_padding, max_new_tokens, graph=True)
         return _static_greedy(step, model.config, max_new_tokens, all_done)
     cache = model.new_cache(max_new_tokens)
     out = torch.full((src.shape[0], max_new_tokens), c.pad_id, dtype=torch.long, device=src.device)
@@ -254,7 +233,6 @@ def generate(
     all_done: Callable[[bool], bool] = bool,
     memory: Tensor | None = None,
     cuda_graph: bool = False,
-    compile_step: bool = False,
 ) -> Tensor:
     """Generated ids ``(B, L)`` without BOS, ``pad_id`` after EOS.
 
@@ -264,14 +242,12 @@ def generate(
     (ZeRO-3 and FSDP gather parameters in them), processes that finish early must keep stepping in
     lockstep until all have finished, so the caller passes a reduction over processes here.
     ``cuda_graph``: greedy decoding replays each step as a CUDA graph (:class:`StaticDecoder`); only where the
-    model is a plain module (no sharded parameters gathered in its forward pass). ``compile_step``: greedy decoding
-    runs the same static step under ``torch.compile`` instead (on the CPU 1.05-1.18x at ``bench_peers``' sizes, after
-    seconds of compiling in the first call of a process). Beam search ignores both.
+    model is a plain module (no sharded parameters gathered in its forward pass). Beam search ignores it.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if num_beams < 1:
         raise ValueError(f"num_beams must be >= 1, got {num_beams}")
     if num_beams == 1:
-        return greedy_search(model, src, max_new_tokens, all_done, memory, cuda_graph, compile_step)
+        return greedy_search(model, src, max_new_tokens, all_done, memory, cuda_graph)
     return beam_search(model, src, max_new_tokens, num_beams, length_penalty, all_done, memory)

@@ -291,7 +291,7 @@ class Transformer(nn.Module):
             cache.cross_spec = MaskSpec(key_padding=_any_padding(memory_padding))
         keys = torch.arange(cache.capacity, device=tgt.device)
         future = (keys > position).expand(tgt.shape[0], -1)
-        self_spec = MaskSpec(key_padding=future, alibi=self._slopes, q_offset=position)
+        self_spec = MaskSpec(key_padding=future, alibi=self._slopes, q_offset=position.squeeze(0))  # 0-d, as an int
         rope = None if cache.rope is None else (cache.rope[0][position], cache.rope[1][position])
         x = self.embed_target(tgt, position)
         for i, layer in enumerate(self.decoder_layers):
