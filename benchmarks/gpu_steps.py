@@ -492,13 +492,13 @@ def one_strategy(setting: Setting, strategy: str, overrides: dict[str, Any], pro
     step, peak = _lightning_step(
         Timing(config, setting, warmup, steps), batches, (), settings, profiled if profile else None
     )
-    tables = [_host_profile(strategy, profiled[0], setting)] if profiled else []
+    tables = [_host_profile(strategy, profiled[0])] if profiled else []
     for table in tables:  # into the parent's log as well
         print(table["title"], markdown_table(table["header"], table["rows"]), sep="\n", flush=True)
     return {"ok": True, "seconds_per_step": step, "tokens": 2 * rows * length, "peak": peak, "tables": tables}
 
 
-def _host_profile(strategy: str, profiled: dict[str, Any], setting: Setting) -> dict[str, Any]:
+def _host_profile(strategy: str, profiled: dict[str, Any]) -> dict[str, Any]:
     """The profiled step as a table: the Python functions with the most time of their own, then DeepSpeed's with the
     most time including their callees (which of its phases costs)."""
     import pstats
@@ -626,11 +626,16 @@ def decoding(setting: Setting) -> dict[str, Any]:
                 tokens = torch.cat((tokens, model.decode(tokens, memory, padding)[:, -1:].argmax(-1)), dim=1)
 
     seconds = {}
+    # The log shows how far a slow run got, and where the step's time goes beyond the timed calls (79 s for about
+    # 10 s of them on the H200: warm-up, or a kernel plan built for each new shape?).
     for name, fn, repeats in (("cache", cached, 3), ("graph", graphed, 3), ("recomputed", recomputed, 1)):
+        begun = time.perf_counter()
         seconds[name] = timed(fn, setting, repeats=repeats)
-        print(f"greedy, {name}: {seconds[name]:.3f} s", flush=True)  # the log shows how far a slow run got
+        print(f"greedy, {name}: {seconds[name]:.3f} s, {time.perf_counter() - begun:.1f} s with warm-up", flush=True)
+    begun = time.perf_counter()
     with setting.autocast():
         beam = timed(lambda: generate(model, src, 64 if not setting.dry_run else 8, num_beams=4), setting, repeats=3)
+    print(f"beam 4: {beam:.3f} s, {time.perf_counter() - begun:.1f} s with warm-up", flush=True)
     without = seconds["recomputed"]
     title = (
         f"The Multi30k recipe's model (`configs/multi30k.yaml`, fresh weights), {rows} sources of {length} tokens, "
