@@ -163,6 +163,17 @@ class Checkpoint(ModelCheckpoint):
         self._rng_states = states[trainer.global_rank]
 
     @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """A run resumed in its own folder goes on writing its ``last.ckpt``.
+
+        A checkpoint saved before the run's first ``last.ckpt`` (the first epoch's top-k save) records no last
+        path, and Lightning would then save the resumed run as ``last-v1.ckpt`` beside the stale ``last.ckpt``.
+        """
+        super().load_state_dict(state_dict)
+        if not self.last_model_path and self.dirpath is not None and state_dict.get("dirpath") == self.dirpath:
+            self.last_model_path = self.format_checkpoint_name({}, self.CHECKPOINT_NAME_LAST)
+
+    @override
     def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
         """Every process checks its weights (its shard, when sharded) and all agree before anything is written."""
         finite = all(bool(torch.isfinite(p).all()) for p in trainer.lightning_module.parameters())

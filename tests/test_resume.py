@@ -222,6 +222,16 @@ def test_resume_from_an_epoch_end_checkpoint_trains_the_next_epoch_exactly(until
     assert names[1] <= names[0]  # "epoch=1-step=30.ckpt", not "epoch=2-...": the epoch count is the reference's
     assert logging_step(resumed) == logging_step(reference)  # TensorBoard's x-axis too
 
+    # Resumed in its own folder from that checkpoint (saved before the run's first last.ckpt), the run rewrites
+    # last.ckpt: Lightning saved it as last-v1.ckpt beside the finished run's.
+    last = reference / "checkpoints" / "last.ckpt"
+    before = last.stat().st_mtime_ns
+    check(cli([*args(reference), "--ckpt_path", str(epoch_end)]))
+    assert sorted(path.name for path in last.parent.glob("last*.ckpt")) == ["last.ckpt"]
+    assert last.stat().st_mtime_ns > before
+    for name, tensor in weights(resumed).items():
+        assert torch.equal(weights(reference)[name], tensor), name
+
 
 def test_configure_optimizers_leaves_the_train_loader_to_the_fit_loop() -> None:
     """``estimated_stepping_batches`` builds the train loader; built before the checkpoint is restored, Lightning
