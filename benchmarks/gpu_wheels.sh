@@ -12,6 +12,6 @@ pip wheel -q --no-deps --no-build-isolation -w .whl deepspeed==0.19.8 rouge-scor
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
   jsonargparse==4.53.0 docstring-parser==0.18.0 typeshed-client==2.15.0 nltk==3.10.4 defusedxml==0.7.1 \
-  hjson==3.1.0 sacremoses==0.2.0 click==8.1.8 joblib==1.5.2 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
-  typing-extensions==4.16.0
+  hjson==3.1.0 sacremoses==0.2.0 click==8.1.8 joblib==1.5.2 pydantic==2.14.4 pydantic-core==2.50.5 \
+  annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0
 du -sh .whl
