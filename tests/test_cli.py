@@ -315,6 +315,10 @@ ONE_LINE_ERRORS: dict[str, tuple[Callable[[Path], list[str]], str]] = {
         lambda t: _fit(t / "run", "--model.transformer.num_heads=3"),
         "error: d_model=32 is not divisible by num_heads=3: choose num_heads that divides d_model",
     ),
+    "attention_dropout_one": (
+        lambda t: _fit(t / "run", "--model.transformer.attention_dropout=1"),
+        "error: attention_dropout must be in [0, 1), got 1.0",
+    ),
     "zero_max_tokens": (
         lambda t: _fit(t / "run", "--data.init_args.max_tokens=0"),
         "error: --data.max_tokens must be at least 1, got 0",

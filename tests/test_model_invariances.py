@@ -10,9 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from torch_handle.model import BackendUnavailableError, Transformer, TransformerConfig
+from torch_handle.model import BackendUnavailableError, ConfigError, Transformer, TransformerConfig
 from torch_handle.model.generation import StaticDecoder, beam_search, generate, greedy_search
 from torch_handle.model.kernels import xformers_available
+from torch_handle.model.masks import MaskSpec
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -495,3 +496,50 @@ def test_generation_keeps_stepping_until_every_process_is_done(num_beams: int) -
     assert len(calls) == steps and calls[-1]  # stepped to the limit, though done well before it
     torch.testing.assert_close(synced[:, : finished_alone.shape[1]], finished_alone)
     assert (synced[:, finished_alone.shape[1] :] == PAD).all()
+
+
+# --- dropout -------------------------------------------------------------------------------------------------
+
+
+def test_attention_and_activation_dropout_default_to_dropout() -> None:
+    """Left unset, both rates take ``dropout``: the same masks and logits as a model given all three, as every
+    configuration and checkpoint written before the two fields existed expects."""
+    src, tgt = _batch()
+    logits = []
+    for rates in ({}, {"attention_dropout": 0.3, "activation_dropout": 0.3}):
+        torch.manual_seed(0)
+        logits.append(Transformer(_config(dropout=0.3, **rates)).train()(src, tgt))
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("rates", "attention_drops", "activation_drops"),
+    [
+        ({"dropout": 0.5, "attention_dropout": 0.0, "activation_dropout": 0.0}, False, False),
+        ({"attention_dropout": 0.5}, True, False),
+        ({"activation_dropout": 0.5}, False, True),
+    ],
+)
+def test_each_dropout_rate_drops_only_its_own_units(
+    rates: dict[str, float], attention_drops: bool, activation_drops: bool
+) -> None:
+    """In training, self-attention and the feed-forward block differ from evaluation exactly when their own rate
+    is set: ``dropout`` alone leaves both untouched (fairseq's ``--dropout`` with its 0 defaults for the others)."""
+    layer = Transformer(_config(**rates)).encoder_layers[0]
+    x = torch.randn(3, 7, 32)
+
+    def outputs() -> tuple[Tensor, Tensor]:
+        return layer.self_attn(x, MaskSpec()), layer.ff(x)
+
+    layer.eval()
+    evaluated = outputs()
+    layer.train()
+    trained = outputs()
+    changed = [not torch.equal(t, e) for t, e in zip(trained, evaluated, strict=True)]
+    assert changed == [attention_drops, activation_drops]
+
+
+@pytest.mark.parametrize("name", ["dropout", "attention_dropout", "activation_dropout"])
+def test_a_dropout_rate_of_one_is_refused_in_one_line(name: str) -> None:
+    with pytest.raises(ConfigError, match=rf"^{name} must be in \[0, 1\), got 1.0$"):
+        _config(**{name: 1.0})

@@ -41,7 +41,11 @@ class TransformerConfig:
         num_encoder_layers: Encoder depth.
         num_decoder_layers: Decoder depth.
         d_ff: Hidden width of the feed-forward blocks.
-        dropout: Dropout on residual branches, feed-forward hidden units and attention weights.
+        dropout: Dropout on the embeddings and residual branches, and by default on feed-forward hidden units and
+            attention weights too.
+        attention_dropout: Dropout on the attention weights; ``None`` takes ``dropout``. fairseq's and Hugging
+            Face's seq2seq models default it to 0.
+        activation_dropout: Dropout on the feed-forward hidden units; ``None`` takes ``dropout`` (fairseq: 0).
         activation: Feed-forward non-linearity.
         norm_first: ``False`` is post-LN as in the paper; ``True`` is pre-LN, which trains deep stacks
             without warmup tricks.
@@ -75,6 +79,8 @@ class TransformerConfig:
     num_decoder_layers: int = 6
     d_ff: int = 2048
     dropout: float = 0.1
+    attention_dropout: float | None = None
+    activation_dropout: float | None = None
     activation: Activation = "relu"
     norm_first: bool = False
     position: Position = "sinusoidal"
@@ -110,8 +116,10 @@ class TransformerConfig:
             )
         if self.position == "rope" and (self.d_model // self.num_heads) % 2:
             raise ConfigError(f"position='rope' needs an even head dimension, got {self.d_model // self.num_heads}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
+        for name in ("dropout", "attention_dropout", "activation_dropout"):
+            value = getattr(self, name)
+            if value is not None and not 0.0 <= value < 1.0:
+                raise ConfigError(f"{name} must be in [0, 1), got {value}")
         if self.window < 1:
             raise ConfigError(f"window must be >= 1, got {self.window}")
         if self.cross_downsample < 1:
@@ -135,6 +143,16 @@ class TransformerConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.num_heads
+
+    @property
+    def attention_p(self) -> float:
+        """The attention weights' dropout rate: ``attention_dropout``, or ``dropout`` when that is None."""
+        return self.dropout if self.attention_dropout is None else self.attention_dropout
+
+    @property
+    def activation_p(self) -> float:
+        """The feed-forward hidden units' dropout rate: ``activation_dropout``, or ``dropout`` when that is None."""
+        return self.dropout if self.activation_dropout is None else self.activation_dropout
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

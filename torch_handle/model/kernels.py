@@ -140,7 +140,8 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, dropout_p: float) -> 
 
     if dropout_p:
         raise BackendUnavailableError(
-            "attention_backend='flex' has no attention dropout: set dropout=0 or use attention_backend='sdpa'"
+            "attention_backend='flex' has no attention dropout: set attention_dropout=0 (or dropout=0) or use "
+            "attention_backend='sdpa'"
         )
     on_cpu = q.device.type == "cpu"
     if on_cpu and torch.is_grad_enabled() and q.requires_grad:

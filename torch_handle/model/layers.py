@@ -17,7 +17,7 @@ class FeedForward(nn.Module):
         super().__init__()
         self.linear1 = nn.Linear(config.d_model, config.d_ff)
         self.linear2 = nn.Linear(config.d_ff, config.d_model)
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = nn.Dropout(config.activation_p)
         self.activation = F.gelu if config.activation == "gelu" else F.relu
 
     def forward(self, x: Tensor) -> Tensor:
@@ -44,7 +44,9 @@ class EncoderLayer(nn.Module):
 
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
-        self.self_attn = MultiHeadAttention(config.d_model, config.num_heads, config.dropout, config.attention_backend)
+        self.self_attn = MultiHeadAttention(
+            config.d_model, config.num_heads, config.attention_p, config.attention_backend
+        )
         self.ff = FeedForward(config)
         self.attn_block = _Residual(config)
         self.ff_block = _Residual(config)
@@ -59,7 +61,7 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
-        d, h, p, backend = config.d_model, config.num_heads, config.dropout, config.attention_backend
+        d, h, p, backend = config.d_model, config.num_heads, config.attention_p, config.attention_backend
         self.self_attn = MultiHeadAttention(d, h, p, backend)
         self.cross_attn = MultiHeadAttention(d, h, p, backend)
         self.ff = FeedForward(config)
