@@ -48,7 +48,7 @@ from typing_extensions import override
 log = logging.getLogger("bench_strategies")
 
 ROOT = Path(__file__).resolve().parents[1]
-# case -> (config, extra arguments). The shipped zero3.yaml sets reduce_bucket_size to 1e7 elements; the
+# case -> (config, extra arguments). The shipped zero3.yaml sets reduce_bucket_size to 5e7 elements; the
 # extra case shows Lightning's default of 2e8, a ZeRO-3 bucket of 763 MiB in fp32, more than this model's state.
 CASES = {
     "ddp": ("ddp", []),
@@ -476,7 +476,7 @@ def main() -> None:
             "(+4/N), and its stage 1, like stage 2, keeps only this rank's gradient partition once backward "
             "has ended (stage 1 holds every full gradient until the end of backward, stage 2 reduces them "
             "bucket by bucket during it). ZeRO-3 preallocates a reduce bucket of `reduce_bucket_size` elements: "
-            "`configs/zero3.yaml` sets 1e7 (38 MiB in fp32); the `zero3, bucket 2e8` row shows Lightning's "
+            "`configs/zero3.yaml` sets 5e7 (191 MiB in fp32); the `zero3, bucket 2e8` row shows Lightning's "
             "default, 763 MiB, more than this model's whole state. Tensor parallelism (`tp`) splits every layer's "
             "matrices, a fraction f of the parameters, over the N ranks and replicates the rest (embeddings, "
             "norms, output-projection biases): 16 (f/N + 1 - f); FSDP2 over tensor parallelism (`fsdp2_tp`) shards "

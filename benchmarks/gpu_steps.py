@@ -227,7 +227,8 @@ def throughput(setting: Setting) -> dict[str, Any]:
         b["src"][:, -2:] = torch.tensor([EOS_ID, PAD_ID])
     peak = setting.peak_flops()
     runs = [  # (loop, levers); "compile": the layers, "loss": the loss too, "foreach": AdamW not fused,
-        # "padded": one padding token per source; "dropout0" and "double" (twice the rows): the references' setting
+        # "padded": one padding token per source; "dropout0" and "double" (twice the rows): the references' setting;
+        # "residual": dropout on the residual branches and embeddings only, as in the paper (and fairseq's defaults)
         ("Lightning", ()),
         ("Lightning", ("compile",)),
         ("plain", ()),
@@ -235,16 +236,20 @@ def throughput(setting: Setting) -> dict[str, Any]:
         ("plain", ("padded",)),
         ("plain", ("compile", "loss")),
         ("Lightning", ("compile", "dropout0", "double")),
+        ("Lightning", ("compile", "residual", "double")),
     ]
     if setting.dry_run:  # compiling needs a C++ toolchain on a CPU, and takes minutes: the GPU run measures it
         runs = [run for run in runs if "compile" not in run[1]]
     results, mfus, table = {}, {}, []
     names = {"compile": "compiled layers", "loss": "compiled loss", "foreach": "foreach AdamW",
              "padded": "one padding token per source (masked attention)",
-             "dropout0": "dropout 0", "double": f"{2 * rows} rows"}  # fmt: skip
+             "dropout0": "dropout 0", "double": f"{2 * rows} rows",
+             "residual": "attention and activation dropout 0 (the paper's dropout)"}  # fmt: skip
     for loop, levers in runs:
         run = _lightning_step if loop == "Lightning" else _plain_step
         model_config = dataclasses.replace(config, dropout=0.0) if "dropout0" in levers else config
+        if "residual" in levers:
+            model_config = dataclasses.replace(config, attention_dropout=0.0, activation_dropout=0.0)
         run_rows = 2 * rows if "double" in levers else rows
         inputs = padded if "padded" in levers else batches
         if run_rows != rows:
@@ -270,15 +275,17 @@ def throughput(setting: Setting) -> dict[str, Any]:
         tables.append(_profile(config, batches, setting))
     model = Transformer(config).to(setting.device).train()
     counted = _counted_flops(model, {k: v.to(setting.device) for k, v in batches[0].items()}, setting)
-    best = max((m for (_, levers), m in mfus.items() if "dropout0" not in levers and m), default=None)
+    best = max((m for (_, levers), m in mfus.items() if not {"dropout0", "residual"} & set(levers) and m), default=None)
     referenced = mfus.get(("Lightning", ("compile", "dropout0", "double")))
+    residual = mfus.get(("Lightning", ("compile", "residual", "double")))
     flops = training_flops(config, [length] * rows, [length] * rows)
     title = (
         f"{sum(p.numel() for p in model.parameters()) / 1e6:,.1f}M parameters ({dims}, dropout {config.dropout}), "
         f"vocabulary {vocab}, {rows} x ({length} + {length}) tokens a step, `{setting.precision}`, AdamW; median of "
         f"{steps} steps after {warmup}. Lightning's overhead against the plain loop: {', '.join(overhead)} (goal <= "
         f"2%). Best MFU {_fmt(best, 1) or '-'}%; at dropout 0 and {2 * rows} rows, as the decoder-only references "
-        f"train: {_fmt(referenced, 1) or '-'}% (goal >= 45%). FLOPs by the formula {flops:.3e} a "
+        f"train: {_fmt(referenced, 1) or '-'}% (goal >= 45%); with dropout {config.dropout} on the residual branches "
+        f"and embeddings alone, as in the paper: {_fmt(residual, 1) or '-'}%. FLOPs by the formula {flops:.3e} a "
         f"step; FlopCounterMode counted {counted / flops:.3f} of them. MFU against {peak or 'no known'} FLOP/s."
     )
     header = ["loop", "levers", "step (s)", "tokens/s", "MFU (%)", "peak memory (GiB)"]
@@ -446,14 +453,29 @@ def _counted_flops(model: torch.nn.Module, batch: dict[str, torch.Tensor], setti
 
 # --- strategy_throughput ---------------------------------------------------------------------------------------------
 
-STRATEGY_CONFIGS = ("ddp", "zero1", "zero2", "zero3", "fsdp")
+STRATEGY_CONFIGS = ("ddp", "zero1", "zero2", "zero3", "zero3_submodules", "fsdp")  # the last but one: see below
+
+
+def deepspeed_default_hooks(**options: Any) -> Any:
+    """Our ``DeepSpeedStrategy`` without its ZeRO-3 layer units (:func:`torch_handle.parallel.set_zero3_units`):
+    DeepSpeed's own hooks on every submodule, the reference those units are measured against (``zero3_submodules``)."""
+    from typing_extensions import override
+
+    from torch_handle.strategies import DeepSpeedStrategy
+
+    class SubmoduleHooks(DeepSpeedStrategy):
+        @override
+        def init_deepspeed(self) -> None:  # Lightning's
+            super(DeepSpeedStrategy, self).init_deepspeed()
+
+    return SubmoduleHooks(**options)
 
 
 def strategy_throughput(setting: Setting) -> dict[str, Any]:
     """The throughput step's model under each strategy config's strategy on one device (its Lightning loop, eager):
     what ZeRO's partitioning and FSDP's sharding cost against DDP before any second device shares the work. Each
     strategy in its own process, so that one's process group and DeepSpeed's engine cannot leak into the next."""
-    names = STRATEGY_CONFIGS if not setting.dry_run else ("ddp", "zero2")
+    names = STRATEGY_CONFIGS if not setting.dry_run else ("ddp", "zero2", "zero3", "zero3_submodules")
     rows, seconds = [], {}
     for name in names:  # one after another: Lightning finds each a free rendezvous port
         out = Path(tempfile.mkdtemp(prefix="gpu_suite-")) / "step.json"
@@ -470,7 +492,8 @@ def strategy_throughput(setting: Setting) -> dict[str, Any]:
         print(" | ".join(map(str, rows[-1])), flush=True)
     title = (
         f"The throughput step's model (eager, `{setting.precision}`, the same batches) through `lightning.Trainer` "
-        "with each strategy config's strategy, one device. Goals: ZeRO-1/2 >= 95% of DDP's tokens/s, ZeRO-3 >= 80%."
+        "with each strategy config's strategy, one device; `zero3_submodules` is ZeRO-3 with DeepSpeed's hooks on "
+        "every submodule instead of one unit per layer. Goals: ZeRO-1/2 >= 95% of DDP's tokens/s, ZeRO-3 >= 80%."
     )
     header = ["strategy", "step (s)", "tokens/s", "% of DDP", "peak memory (GiB)"]
     return {"ok": len(seconds) == len(names), "tables": [_table(title, header, rows)]}
@@ -482,10 +505,14 @@ def one_strategy(setting: Setting, strategy: str, overrides: dict[str, Any], pro
     time the GPU was busy): how ZeRO-2's per-parameter overflow check was found (``benchmarks/RESULTS.md``)."""
     import importlib
 
-    settings = yaml.safe_load((ROOT / "configs" / f"{strategy}.yaml").read_text())["trainer"]["strategy"]
+    submodules = strategy == "zero3_submodules"
+    config_file = ROOT / "configs" / f"{'zero3' if submodules else strategy}.yaml"
+    settings = yaml.safe_load(config_file.read_text())["trainer"]["strategy"]
     if isinstance(settings, dict):
         module, _, name = settings["class_path"].rpartition(".")
-        settings = getattr(importlib.import_module(module), name)(**{**settings.get("init_args", {}), **overrides})
+        options = {**settings.get("init_args", {}), **overrides}
+        chosen = deepspeed_default_hooks if submodules else getattr(importlib.import_module(module), name)
+        settings = chosen(**options)
     config, rows, length, warmup, steps = _throughput_sizes(setting)
     batches = _batches(config.src_vocab_size, rows, length, warmup + steps)
     profiled: list[dict[str, Any]] = []

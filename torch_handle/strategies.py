@@ -53,7 +53,7 @@ from torch_handle.checkpoints import (
     recover_interrupted_save,
 )
 from torch_handle.errors import SetupError
-from torch_handle.parallel import DATA_PARALLEL, PIPELINE_PARALLEL, TENSOR_PARALLEL, PipelineConfig
+from torch_handle.parallel import DATA_PARALLEL, PIPELINE_PARALLEL, TENSOR_PARALLEL, PipelineConfig, set_zero3_units
 from torch_handle.parallel.layout import as_heads, is_packed, packed_names, to_heads_layout
 from torch_handle.parallel.pipeline import Schedule
 
@@ -165,7 +165,7 @@ class DeepSpeedStrategy(_SafeFolders, _LightningDeepSpeedStrategy):
     def _format_config(self) -> None:
         """bf16 without DeepSpeed's gradient overflow check, unless the config asks for it: bf16 has fp32's range and
         no loss scale, and ZeRO-2 checked each gradient one by one (two reductions and a test per tensor, then a host
-        sync): 61 of 291 ms of a profiled ~400M-model step on an H200; on a CPU, ZeRO-2 went from 88% to 96% of DDP
+        sync): 61 of 291 ms of a profiled ~400M-model step on an H200, where ZeRO-2 went from 82% to 96.6% of DDP
         without it (``benchmarks/RESULTS.md``). A NaN or infinite loss still ends a run (``StopOnDivergence``).
         DeepSpeed versions without the key refuse unknown keys, so they keep their check."""
         super()._format_config()
@@ -173,6 +173,14 @@ class DeepSpeedStrategy(_SafeFolders, _LightningDeepSpeedStrategy):
 
         if self.config.get("bf16", {}).get("enabled") and "check_grad_overflow" in DeepSpeedBF16Config.model_fields:
             self.config["bf16"].setdefault("check_grad_overflow", False)
+
+    @override
+    def init_deepspeed(self) -> None:
+        """Under ZeRO-3, each encoder and decoder layer is one unit whose parameters are gathered together
+        (:func:`~torch_handle.parallel.set_zero3_units`), before DeepSpeed installs its hooks."""
+        if self.zero_stage_3 and self.lightning_module is not None:
+            set_zero3_units(self.lightning_module)
+        super().init_deepspeed()
 
     @override
     def _configure_launcher(self) -> None:

@@ -27,6 +27,8 @@ SETTINGS = {
     "ddp": "DDP",
     "zero2": "ZeRO-2 as shipped: no overflow check in bf16",
     "zero2_checked": "ZeRO-2 with DeepSpeed's default check_grad_overflow: true",
+    "zero3": "ZeRO-3 as shipped: each layer one unit",
+    "zero3_submodules": "ZeRO-3 with DeepSpeed's default hooks on every submodule",
 }
 MODEL = {"d_model": 64, "num_heads": 2, "num_encoder_layers": 12, "num_decoder_layers": 12, "d_ff": 128}
 TINY = {"d_model": 16, "num_heads": 2, "num_encoder_layers": 2, "num_decoder_layers": 2, "d_ff": 32}
@@ -35,7 +37,7 @@ TINY = {"d_model": 16, "num_heads": 2, "num_encoder_layers": 2, "num_decoder_lay
 def child(setting: str, dry_run: bool) -> None:
     """One setting in this process: prints ``{"seconds": median step, "tensors": parameter tensors}``."""
     import torch
-    from gpu_steps import Setting, Timing, _batches, _lightning_step
+    from gpu_steps import Setting, Timing, _batches, _lightning_step, deepspeed_default_hooks
     from typing_extensions import override
 
     from torch_handle.model import Transformer, TransformerConfig
@@ -54,7 +56,13 @@ def child(setting: str, dry_run: bool) -> None:
     config = TransformerConfig(
         **dims, src_vocab_size=1000, tgt_vocab_size=1000, position="rope", norm_first=True, tie_embeddings=True
     )
-    strategy = {"ddp": "ddp", "zero2": DeepSpeedStrategy(stage=2), "zero2_checked": Checked(stage=2)}[setting]
+    strategy = {
+        "ddp": lambda: "ddp",
+        "zero2": lambda: DeepSpeedStrategy(stage=2),
+        "zero2_checked": lambda: Checked(stage=2),
+        "zero3": lambda: DeepSpeedStrategy(stage=3),
+        "zero3_submodules": lambda: deepspeed_default_hooks(stage=3),
+    }[setting]()
     warmup, steps = (1, 3) if dry_run else (5, 20)
     batches = _batches(1000, 4, 16, warmup + steps)
     seconds, _ = _lightning_step(Timing(config, where, warmup, steps), batches, (), strategy)
@@ -90,8 +98,8 @@ def main() -> None:
     dims = TINY if args.dry_run else MODEL
     body = "\n\n".join(
         [
-            "## bench_zero_bf16: ZeRO-2's gradient overflow check in bf16, one CPU process",
-            f"Command: `python benchmarks/bench_zero_bf16.py --rounds {rounds}`. {machine_line(1, torch.__version__)}",
+            "## bench_zero_host: DeepSpeed's host time against DDP, one CPU process",
+            f"Command: `python benchmarks/bench_zero_host.py --rounds {rounds}`. {machine_line(1, torch.__version__)}",
             f"The module's Lightning step (forward, backward, AdamW) in `bf16-mixed`, model {dims} ({tensors} "
             "parameter tensors), 4 x (16 + 16) tokens a step; each setting in its own process, the settings "
             f"alternating; median step of {'3' if args.dry_run else '20'} after warm-up, then the median over the "
@@ -101,7 +109,7 @@ def main() -> None:
     )
     print(body)
     if not args.dry_run:
-        write_section("bench_zero_bf16", body)
+        write_section("bench_zero_host", body)
 
 
 if __name__ == "__main__":
