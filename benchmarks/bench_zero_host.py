@@ -1,15 +1,19 @@
-"""ZeRO-2 in ``bf16-mixed`` with and without DeepSpeed's gradient overflow check, against DDP, one process each.
+"""DeepSpeed's host time per step against DDP, one process each: what our two settings of it save.
 
-DeepSpeed checks every gradient for inf/NaN before a ZeRO-2 step (two reductions and a test per tensor, then a
-host sync), whether or not a loss scale exists; bf16 has none. :class:`torch_handle.strategies.DeepSpeedStrategy`
-turns the check off in bf16 unless a DeepSpeed config asks for it. This measures what that saves: the module's
-Lightning step (``gpu_steps._lightning_step``) of a model with many parameter tensors, each setting in its own
+On one device ZeRO partitions nothing away, and what it adds to a step is Python, tensor by tensor or module by module:
+- ZeRO-2 checks every gradient for inf/NaN (two reductions and a test per tensor, then a host sync), whether or not a
+  loss scale exists; bf16 has none, and :class:`torch_handle.strategies.DeepSpeedStrategy` turns the check off in
+  bf16 unless a DeepSpeed config asks for it.
+- ZeRO-3 gathers and releases parameters in hooks around every submodule; the strategy makes each encoder and
+  decoder layer one unit instead (:func:`torch_handle.parallel.set_zero3_units`).
+Each setting is the module's Lightning step (``gpu_steps._lightning_step``) in ``bf16-mixed`` of a model as deep as the
+GPU suite's ~400M one (365 parameter tensors, 24 layers) but narrow, so the step is mostly host time; each in its own
 process, the settings alternating for ``--rounds`` rounds; the median of each setting's per-process medians.
 
 Usage::
 
-    python benchmarks/bench_zero_bf16.py               # CPU, writes the bench_zero_bf16 section of RESULTS.md
-    python benchmarks/bench_zero_bf16.py --dry-run     # tiny sizes, prints the table (the test runs this)
+    python benchmarks/bench_zero_host.py               # CPU, writes the bench_zero_host section of RESULTS.md
+    python benchmarks/bench_zero_host.py --dry-run     # tiny sizes, prints the table (the test runs this)
 """
 
 from __future__ import annotations

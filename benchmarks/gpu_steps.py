@@ -453,7 +453,7 @@ def _counted_flops(model: torch.nn.Module, batch: dict[str, torch.Tensor], setti
 
 # --- strategy_throughput ---------------------------------------------------------------------------------------------
 
-STRATEGY_CONFIGS = ("ddp", "zero1", "zero2", "zero3", "zero3_submodules", "fsdp")  # the last but one: see below
+STRATEGY_CONFIGS = ("ddp", "zero1", "zero2", "zero3", "zero3_submodules", "fsdp")  # zero3_submodules: below
 
 
 def deepspeed_default_hooks(**options: Any) -> Any:
