@@ -5,10 +5,11 @@ model, decoding, the Multi30k recipe; every figure written as Markdown, the devi
     python benchmarks/gpu_suite.py --dry-run --out /tmp/suite       # on CPU with tiny sizes (CI runs this)
 
 Each step runs in its own process under a time limit (a CUDA out-of-memory or a hang ends that step only) and
-writes ``OUT/STEP.json``. The steps whose results do not depend on speed (tests, strategies, Multi30k BLEU) run side
-by side first, then the timed ones one at a time; the parent gathers them into ``OUT/gpu_suite.md``, prints it, and
-exits 1 if a step failed. ``--dry-run`` runs the same code on the CPU, fp32, tiny models and lengths, so that the
-suite cannot rot between the sessions that have a GPU. The steps (:mod:`gpu_steps`):
+writes ``OUT/STEP.json``. All start at once: the steps whose results do not depend on speed (tests, strategies,
+Multi30k BLEU) run side by side, while the timed ones prepare on the host (imports, models built on the CPU) and then
+take the device one at a time, each alone on it; the parent gathers them into ``OUT/gpu_suite.md`` with the whole
+suite's time, prints it, and exits 1 if a step failed. ``--dry-run`` runs the same code on the CPU, fp32, tiny
+models and lengths, so that the suite cannot rot between the sessions that have a GPU. The steps (:mod:`gpu_steps`):
 
 - ``gpu_tests``: ``pytest -m gpu`` (bf16 SDPA/flex/xformers against naive, full and local, every position type,
   bf16 gradients); on a CPU they skip.
@@ -24,7 +25,8 @@ suite cannot rot between the sessions that have a GPU. The steps (:mod:`gpu_step
 - ``long``: ``summarization_32k``'s model, one training step at 32,768 source tokens, flex against the blocked SDPA
   kernel; then the longest source that fits, doubling.
 - ``decoding``: greedy with the key/value cache against recomputing the prefix at 256 new tokens; beam-4
-  sentences/s on Multi30k-sized sources.
+  sentences/s on Multi30k-sized sources; the cache on SDPA's own pick of kernel (cuDNN's on Hopper) against
+  ``generate``'s; each loop's first call.
 - ``multi30k``: the shipped Multi30k recipe in ``bf16-mixed`` for the minutes left, then its test BLEU (``--multi30k``
   names the data, written by ``torch-handle prepare multi30k``; without it the step is skipped).
 """
@@ -32,66 +34,88 @@ suite cannot rot between the sessions that have a GPU. The steps (:mod:`gpu_step
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from common import markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
-# step -> seconds it may take on the GPU and in a dry run. The first three give figures that do not depend on speed
-# (pass/fail, BLEU), so they run side by side; the timed steps then run one at a time on an otherwise idle device.
-# The whole suite: max(side by side) + sum(timed) = 180 + 700 s at most. From its steps' times in three H200 sessions
-# it would take about 11 minutes, over the issue's 9; decoding, 79 s for about 10 s of timed work, shows where:
-# start-up.
+# step -> seconds it may take on the GPU and in a dry run (a timed step's from its turn). The first three give
+# figures that do not depend on speed (pass/fail, BLEU), so they run side by side; the timed steps then run one at a
+# time on an otherwise idle device. Much of a step's time is start-up (imports: Lightning alone took 13 s on the
+# H200's host; first kernels), which each step's log shows with gpu_steps.mark; the timed steps do theirs beside the
+# side-by-side steps. The whole suite took 545 s on the H200 before that, against the issue's 540 (9 minutes).
 LIMITS = {
     "gpu_tests": (150, 200),  # flex compiles a kernel per mask
-    "strategies": (180, 300),  # 6 configs side by side, 4 launches each
-    "multi30k": (180, 300),  # the recipe for --multi30k-epochs (Lightning's max_time stops it in time), then BLEU
-    "throughput": (180, 120),  # seven loops, three of them compiling first, and a profiled step
-    "strategy_throughput": (300, 120),  # six strategies, one process each: past 180 s for four on an H100
+    "strategies": (180, 300),  # 6 configs side by side, 3 launches and an export each: 93-145 s with 4 launches
+    "multi30k": (180, 300),  # a minute of the recipe (Lightning's max_time), then BLEU: about 100 s
+    "throughput": (210, 120),  # eight loops, four compiling first, a profiled step: 178 s and its exit on the H200
+    "strategy_throughput": (200, 120),  # six strategies, one process each, prepared side by side
     "long": (100, 120),
-    "decoding": (120, 60),  # 54 s of it CUDA start-up and first kernels on an H200
+    "decoding": (120, 60),  # warm-up dominates: each loop meets every length up to 256 tokens
 }
 SIDE_BY_SIDE = ("gpu_tests", "strategies", "multi30k")
 
 
-def run_step(step: str, out: Path, dry_run: bool, multi30k: Path, epochs: int) -> dict[str, Any]:
-    """``python benchmarks/gpu_steps.py STEP`` in a fresh process; its JSON, or why there is none."""
-    limit = LIMITS[step][1 if dry_run else 0]
+def launch(step: str, out: Path, dry_run: bool, multi30k: Path, epochs: int) -> subprocess.Popen[str]:
+    """``python benchmarks/gpu_steps.py STEP`` in a fresh process (and session), its log written as it runs. A timed
+    step gets ``--wait``: it prepares on the host at once, beside the side-by-side steps, and uses the device only
+    when :func:`finish` gives it its turn."""
     command = [sys.executable, str(ROOT / "benchmarks" / "gpu_steps.py"), step, str(out / f"{step}.json")]
     command += ["--multi30k", str(multi30k.resolve()), "--multi30k-epochs", str(epochs)]
-    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    start = time.perf_counter()
-    log = out / f"{step}.log"
-    with log.open("w") as sink:  # written as it runs: a step stopped at its limit leaves its log
-        try:
-            run = subprocess.run(
-                [*command, *(["--dry-run"] if dry_run else [])],
-                cwd=ROOT,
-                env=env,  # the checkout need not be installed
-                stdout=sink,
-                stderr=subprocess.STDOUT,
-                timeout=limit,
-            )
-        except subprocess.TimeoutExpired:
-            return {"step": step, "ok": False, "error": f"over its {limit} s limit", "seconds": limit}
+    command += [*(["--dry-run"] if dry_run else []), *(["--wait"] if step not in SIDE_BY_SIDE else [])]
+    env = os.environ | {
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),  # need not install
+        "GPU_STEPS_LAUNCHED": str(time.time()),  # gpu_steps.mark's times in the step's log count from here
+    }
+    with (out / f"{step}.log").open("w") as log:
+        stdin = subprocess.DEVNULL if step in SIDE_BY_SIDE else subprocess.PIPE
+        return subprocess.Popen(
+            command, cwd=ROOT, env=env, stdin=stdin, stdout=log, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True,  # at its limit, the step and every process it started are stopped together
+        )  # fmt: skip
+
+
+def finish(step: str, child: subprocess.Popen[str], out: Path, dry_run: bool, launched: float) -> dict[str, Any]:
+    """A step's JSON, or why there is none. A timed step first gets its turn, once prepared; its seconds and limit
+    count from its turn, a side-by-side step's from its launch."""
+    limit = LIMITS[step][1 if dry_run else 0]
+    start = launched
+    if child.stdin is not None:  # preparing since the suite began; a preparation past the limit counts as a hang
+        while child.poll() is None and not (out / f"{step}.ready").exists() and time.perf_counter() < start + limit:
+            time.sleep(0.1)
+        start = time.perf_counter()
+        with contextlib.suppress(BrokenPipeError):  # it ended while preparing: its exit status says why
+            child.stdin.write("go\n")
+            child.stdin.close()
+    try:
+        child.wait(timeout=max(0.0, start + limit - time.perf_counter()))
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+        return {"step": step, "ok": False, "error": f"over its {limit} s limit", "seconds": limit}
     seconds = time.perf_counter() - start
-    if run.returncode or not (out / f"{step}.json").exists():
-        tail = (log.read_text().strip().splitlines() or [f"exit {run.returncode}"])[-1]
-        return {"step": step, "ok": False, "error": f"exit {run.returncode}: {tail}", "seconds": seconds}
+    if child.returncode or not (out / f"{step}.json").exists():
+        log = (out / f"{step}.log").read_text()
+        tail = (log.strip().splitlines() or [f"exit {child.returncode}"])[-1]
+        return {"step": step, "ok": False, "error": f"exit {child.returncode}: {tail}", "seconds": seconds}
     return {**json.loads((out / f"{step}.json").read_text()), "seconds": seconds}
 
 
-def report(results: list[dict[str, Any]], dry_run: bool) -> str:
-    """Markdown: one line on the device, then each step's tables (or its error)."""
+def report(results: list[dict[str, Any]], dry_run: bool, seconds: float) -> str:
+    """Markdown: one line on the device and the whole suite's time, then each step's tables (or its error)."""
     device = next((r["device"] for r in results if r.get("device")), "unknown device")
-    lines = [f"# GPU suite{' (dry run on CPU: tiny sizes, not figures)' if dry_run else ''}", f"Device: {device}."]
+    lines = [
+        f"# GPU suite{' (dry run on CPU: tiny sizes, not figures)' if dry_run else ''}",
+        f"Device: {device}. The whole suite: {seconds:.0f} s; a timed step's seconds count from its turn.",
+    ]
     for r in results:
         status = "passed" if r["ok"] else f"FAILED: {r['error']}"
         lines.append(f"## {r['step']}: {status} ({r['seconds']:.0f} s)")
@@ -112,16 +136,12 @@ def main() -> int:
     parser.add_argument("--multi30k-epochs", type=int, default=20, help="the multi30k step's epochs (124 steps each)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-
-    def run(step: str) -> dict[str, Any]:
-        return run_step(step, args.out, args.dry_run, args.multi30k, args.multi30k_epochs)
-
-    steps = args.step or list(LIMITS)
-    together = [step for step in steps if step in SIDE_BY_SIDE]
-    with ThreadPoolExecutor(max(len(together), 1)) as pool:
-        done = dict(zip(together, pool.map(run, together), strict=True))
-    results = [done[step] if step in done else run(step) for step in steps]
-    text = report(results, args.dry_run)
+    begun = time.perf_counter()
+    steps = sorted(args.step or list(LIMITS), key=lambda step: step not in SIDE_BY_SIDE)  # stable: side by side first
+    children = {step: (launch(step, args.out, args.dry_run, args.multi30k, args.multi30k_epochs), time.perf_counter())
+                for step in steps}  # fmt: skip
+    results = [finish(step, child, args.out, args.dry_run, launched) for step, (child, launched) in children.items()]
+    text = report(results, args.dry_run, time.perf_counter() - begun)
     (args.out / "gpu_suite.md").write_text(text)
     print(text)
     return 0 if all(r["ok"] for r in results) else 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import signal
 import threading
 from pathlib import Path
@@ -75,6 +76,7 @@ class Checkpoint(ModelCheckpoint):
     """
 
     _rng_states: dict[str, Any] | None = None  # the training stream's state after the last training batch
+    _resumed_from: str | None = None  # the checkpoint this run restores, known before its state is loaded
     _sigterm = False  # set by the SIGTERM handler during training
 
     @override
@@ -151,6 +153,7 @@ class Checkpoint(ModelCheckpoint):
     @override
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(trainer, pl_module, checkpoint)
+        self._resumed_from = None if trainer.ckpt_path is None else str(trainer.ckpt_path)
         states = checkpoint.get(RNG_KEY)
         if states is None:
             return
@@ -164,11 +167,17 @@ class Checkpoint(ModelCheckpoint):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """A run resumed in its own folder goes on writing its ``last.ckpt``.
+        """A run resumed in its own folder goes on writing its ``last.ckpt`` and keeping its top k.
 
-        A checkpoint saved before the run's first ``last.ckpt`` (the first epoch's top-k save) records no last
-        path, and Lightning would then save the resumed run as ``last-v1.ckpt`` beside the stale ``last.ckpt``.
+        - The folder may have moved since the save (renamed, copied to another disk, reached by another path):
+          Lightning would drop every path it recorded and save ``last-v1.ckpt`` beside the stale ``last.ckpt``,
+          which ``test`` and ``predict`` read. The recorded paths are read in the folder the run resumes from.
+        - A checkpoint saved before the run's first ``last.ckpt`` (the first epoch's top-k save) records no last
+          path, and Lightning would then save the resumed run as ``last-v1.ckpt`` too.
         """
+        recorded = state_dict.get("dirpath")
+        if isinstance(recorded, str) and self.dirpath is not None and recorded != self.dirpath and self._resumes_here():
+            state_dict = _relocated(state_dict, recorded, self.dirpath)
         super().load_state_dict(state_dict)
         if not self.last_model_path and self.dirpath is not None and state_dict.get("dirpath") == self.dirpath:
             self.last_model_path = self.format_checkpoint_name({}, self.CHECKPOINT_NAME_LAST)
@@ -183,6 +192,13 @@ class Checkpoint(ModelCheckpoint):
                 "diverged); the previous checkpoints are kept: lower --model.lr and resume from one of them"
             )
         super()._save_checkpoint(trainer, filepath)
+
+    def _resumes_here(self) -> bool:
+        """Whether the checkpoint being restored lies in this callback's folder (local paths only)."""
+        if self._resumed_from is None or self.dirpath is None or "://" in self._resumed_from + self.dirpath:
+            return False
+        folder = os.path.dirname(os.path.normpath(self._resumed_from))  # a sharded checkpoint is a folder
+        return os.path.realpath(folder) == os.path.realpath(self.dirpath)
 
     def _save_last_only(self, trainer: L.Trainer) -> None:
         """Writes ``last.ckpt`` without counting as this step's save, so the deferred top-k save still runs."""
@@ -232,3 +248,16 @@ def _all_ranks(state: dict[str, Any], world_size: int) -> list[dict[str, Any]]:
     states: list[Any] = [None] * world_size
     torch.distributed.all_gather_object(states, state)
     return states
+
+
+def _relocated(state: dict[str, Any], old: str, new: str) -> dict[str, Any]:
+    """ModelCheckpoint's ``state`` with each path it recorded under folder ``old`` read under ``new``."""
+
+    def move(path: Any) -> Any:
+        inside = isinstance(path, str) and os.path.dirname(os.path.normpath(path)) == os.path.normpath(old)
+        return os.path.join(new, os.path.basename(os.path.normpath(path))) if inside else path
+
+    paths = ("best_model_path", "kth_best_model_path", "last_model_path")
+    moved = {key: move(value) if key in paths else value for key, value in state.items()}
+    moved["best_k_models"] = {move(path): score for path, score in state.get("best_k_models", {}).items()}
+    return {**moved, "dirpath": new}

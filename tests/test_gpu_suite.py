@@ -4,6 +4,7 @@ command a GPU session spends its device time on cannot rot between the sessions 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -43,8 +44,17 @@ def test_dry_run_passes_every_step_and_writes_its_tables(tmp_path: Path, shared_
     zero = json.loads((tmp_path / "strategy_throughput.json").read_text())["tables"][0]["rows"]
     assert [row[0] for row in zero] == ["ddp", "zero2", "zero3", "zero3_submodules"] and zero[0][3] == "100.0"
     assert all(float(row[1]) > 0 for row in zero)
+    log = (tmp_path / "strategy_throughput.log").read_text()  # prepared side by side, then one turn each
+    assert log.split("every strategy prepared")[1].count("its turn on the device") == 4
     decoding = json.loads((tmp_path / "decoding.json").read_text())["tables"][0]["rows"]
-    assert [row[0].split(",")[1] for row in decoding] == [" 16 tokens"] * 3 + [" up to 64 tokens (stops at EOS)"]
+    assert [row[0].split(",")[1] for row in decoding] == [" 16 tokens"] * 3 + [" up to 64 tokens (stops at EOS)"] + [
+        " 16 tokens"
+    ]
+    assert decoding[-1][0].endswith("SDPA's own pick of kernel (cuDNN's on Hopper)") and float(decoding[-1][3]) >= 0
+    for step in ("throughput", "strategy_throughput", "long", "decoding"):  # prepared while the others ran
+        log = (tmp_path / f"{step}.log").read_text()
+        assert log.index(f"{step}: imported") < log.index("its turn on the device") < log.index(f"{step}: done")
+    assert re.search(r"The whole suite: \d+ s", report)
     assert report.index("## multi30k") < report.index("## throughput")  # side by side first, then the timed steps
     bleu = json.loads((tmp_path / "multi30k.json").read_text())["tables"][0]
     assert bleu["rows"][0][:2] == ["test_2016_flickr", 20] and float(bleu["rows"][0][2]) >= 0
@@ -57,3 +67,20 @@ def test_a_failing_step_is_reported_and_fails_the_suite(tmp_path: Path) -> None:
     run = subprocess.run(command, cwd=ROOT, env=env(CUDA_VISIBLE_DEVICES=""), capture_output=True, text=True)
     assert run.returncode == 1
     assert "## decoding: FAILED: exit 1: " in run.stdout
+
+
+@pytest.mark.timeout(120)
+def test_a_strategy_waiting_for_its_turn_exits_when_the_suite_has_gone(tmp_path: Path) -> None:
+    """strategy_throughput's children prepare, then wait on stdin for their turn; if it ends (the suite stopped at its
+    limit) they exit at once instead of holding the device."""
+    out = tmp_path / "ddp.json"
+    command = [sys.executable, str(ROOT / "benchmarks" / "gpu_steps.py"), "one_strategy", str(out), "--strategy"]
+    command += ["ddp", "--wait", "--dry-run"]
+    run = subprocess.run(
+        command, cwd=ROOT, env=env(PYTHONPATH=str(ROOT)), stdin=subprocess.DEVNULL, capture_output=True, text=True
+    )
+    assert run.returncode == 1
+    last = run.stderr.strip().splitlines()[-1]
+    assert last == "no turn on the device came: the process that launched this one has ended"
+    assert out.with_suffix(".ready").exists() and not out.exists()
+    assert "on_fit_start" not in run.stdout  # nothing reached the device

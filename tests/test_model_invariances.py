@@ -498,6 +498,27 @@ def test_generation_keeps_stepping_until_every_process_is_done(num_beams: int) -
     assert (synced[:, finished_alone.shape[1] :] == PAD).all()
 
 
+@pytest.mark.parametrize("num_beams", [1, 3])
+@torch.no_grad()
+def test_generation_runs_attention_without_cudnn_and_restores_the_choice(num_beams: int) -> None:
+    """cuDNN's attention builds a plan per new shape (45 ms each on an H200) and decoding meets one every step:
+    ``generate`` turns it off for its encoder and decoder passes, and leaves the process's choice as it found it."""
+    model = Transformer(_config()).eval()
+    seen = []
+    decode = model.decode
+
+    def recording(*args: Any, **kwargs: Any) -> Tensor:
+        seen.append((torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()))
+        return decode(*args, **kwargs)
+
+    model.decode = recording  # type: ignore[method-assign]
+    src = torch.randint(3, VOCAB, (2, 5))
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    generate(model, src, 4, num_beams=num_beams)
+    assert seen and set(seen) == {(False, True)}
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
 # --- dropout -------------------------------------------------------------------------------------------------
 
 

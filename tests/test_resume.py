@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -62,6 +63,27 @@ def test_resume_mid_epoch_matches_the_uninterrupted_run(strategy: str, base: Pat
     checkpoint = reference / "checkpoints" / f"epoch=0-step={RESUME_STEP}.ckpt"
     check(cli(reference_args(strategy, tmp_path, "--ckpt_path", str(checkpoint))))
     assert_same_run(tmp_path, reference, RESUME_STEP)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "fsdp"])  # a file; DeepSpeed's and FSDP's folders
+def test_a_moved_run_folder_resumes_into_its_own_last_checkpoint(strategy: str, base: Path, tmp_path: Path) -> None:
+    """A run folder renamed or copied elsewhere, resumed from one of its own checkpoints, goes on writing its
+    ``last.ckpt``, which ``test`` and ``predict`` read: Lightning dropped the paths it had recorded under the old
+    name and wrote ``last-v1.ckpt`` beside the finished run's."""
+    reference = reference_run(strategy, base)
+    moved = tmp_path / "moved"
+    shutil.copytree(reference, moved)
+    last = moved / "checkpoints" / "last.ckpt"
+    copied = max(path.stat().st_mtime_ns for path in [last, *last.rglob("*")])
+    checkpoint = moved / "checkpoints" / f"epoch=0-step={RESUME_STEP}.ckpt"
+    check(cli(reference_args(strategy, moved, "--ckpt_path", str(checkpoint))))
+    assert sorted(path.name for path in last.parent.glob("last*")) == ["last.ckpt"]
+    assert min(path.stat().st_mtime_ns for path in [last, *last.rglob("*")]) > copied  # rewritten, file by file
+    want, _, _ = read_checkpoint(reference / "checkpoints" / "last.ckpt")
+    got, _, _ = read_checkpoint(last)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=TOLERANCE, rtol=0, msg=name)
 
 
 @pytest.mark.slow

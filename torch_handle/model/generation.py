@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from torch_handle.model.config import TransformerConfig
+from torch_handle.model.kernels import decoding_kernels
 from torch_handle.model.transformer import Transformer
 
 
@@ -243,11 +244,13 @@ def generate(
     lockstep until all have finished, so the caller passes a reduction over processes here.
     ``cuda_graph``: greedy decoding replays each step as a CUDA graph (:class:`StaticDecoder`); only where the
     model is a plain module (no sharded parameters gathered in its forward pass). Beam search ignores it.
+    Attention runs on SDPA's kernels other than cuDNN's (:func:`~torch_handle.model.kernels.decoding_kernels`).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if num_beams < 1:
         raise ValueError(f"num_beams must be >= 1, got {num_beams}")
-    if num_beams == 1:
-        return greedy_search(model, src, max_new_tokens, all_done, memory, cuda_graph)
-    return beam_search(model, src, max_new_tokens, num_beams, length_penalty, all_done, memory)
+    with decoding_kernels():
+        if num_beams == 1:
+            return greedy_search(model, src, max_new_tokens, all_done, memory, cuda_graph)
+        return beam_search(model, src, max_new_tokens, num_beams, length_penalty, all_done, memory)

@@ -15,11 +15,13 @@ import importlib.util
 import logging
 import math
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from functools import cache
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from torch_handle.model.masks import MaskSpec, alibi_bias, allowed, dense_mask
 
@@ -30,6 +32,14 @@ Kernel = Callable[[Tensor, Tensor, Tensor, Tensor | None, float], Tensor]
 
 class BackendUnavailableError(RuntimeError):
     """An attention backend was asked for explicitly but cannot run here."""
+
+
+def decoding_kernels() -> AbstractContextManager[None]:
+    """SDPA's kernels while decoding: all but cuDNN's. On Hopper SDPA picks cuDNN's attention for every shape, and
+    cuDNN builds an execution plan for each new one (about 45 ms on an H200); decoding meets a new key length at
+    every step and new batch and source sizes with every batch (``benchmarks/RESULTS.md``: 13.9 s of a first call to
+    256 tokens). Training, at few shapes, keeps cuDNN's kernels."""
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def _naive(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float) -> Tensor:
