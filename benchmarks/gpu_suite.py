@@ -138,9 +138,19 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     begun = time.perf_counter()
     steps = sorted(args.step or list(LIMITS), key=lambda step: step not in SIDE_BY_SIDE)  # stable: side by side first
-    children = {step: (launch(step, args.out, args.dry_run, args.multi30k, args.multi30k_epochs), time.perf_counter())
-                for step in steps}  # fmt: skip
-    results = [finish(step, child, args.out, args.dry_run, launched) for step, (child, launched) in children.items()]
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` stops the suite: the finally below runs
+    children: dict[str, tuple[subprocess.Popen[str], float]] = {}
+    try:
+        for step in steps:
+            children[step] = (
+                launch(step, args.out, args.dry_run, args.multi30k, args.multi30k_epochs),
+                time.perf_counter(),
+            )
+        results = [finish(step, child, args.out, args.dry_run, at) for step, (child, at) in children.items()]
+    finally:  # each step runs in a session of its own: stop whatever is left of them with the suite
+        for child, _ in children.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)
     text = report(results, args.dry_run, time.perf_counter() - begun)
     (args.out / "gpu_suite.md").write_text(text)
     print(text)

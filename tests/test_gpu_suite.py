@@ -3,10 +3,12 @@ command a GPU session spends its device time on cannot rot between the sessions 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -84,3 +86,30 @@ def test_a_strategy_waiting_for_its_turn_exits_when_the_suite_has_gone(tmp_path:
     assert last == "no turn on the device came: the process that launched this one has ended"
     assert out.with_suffix(".ready").exists() and not out.exists()
     assert "on_fit_start" not in run.stdout  # nothing reached the device
+
+
+@pytest.mark.timeout(300)
+def test_a_stopped_suite_leaves_no_step_running(tmp_path: Path) -> None:
+    """``timeout`` (SIGTERM) on the suite while its steps run or wait for their turn stops every one of them: each
+    runs in a session of its own, so nothing else would reach them."""
+    command = [sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py"), "--dry-run", "--out", str(tmp_path)]
+    command += ["--step", "strategies", "--step", "strategy_throughput", "--step", "decoding"]
+    suite = subprocess.Popen(command, cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 240
+    while not (tmp_path / "decoding.ready").exists() and time.monotonic() < deadline:  # prepared, waiting its turn
+        time.sleep(0.2)
+    assert (tmp_path / "decoding.ready").exists()
+    suite.terminate()
+    assert suite.wait(timeout=60) == 143
+    time.sleep(1)
+    assert _running_with(str(tmp_path)) == [], "steps left running after the suite stopped"
+
+
+def _running_with(text: str) -> list[str]:
+    """The command lines of this machine's live processes that mention ``text`` (zombies have none)."""
+    lines = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        with contextlib.suppress(OSError):  # a process that ended while being read
+            line = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            lines += [line] if text in line else []
+    return lines
