@@ -8,7 +8,9 @@ own with the same number of intra-op threads, the implementations alternating wh
 - training step (forward, loss, backward, AdamW step) on 32 x 64 source + 32 x 64 target tokens: the median
   step and the child's peak RSS. Every implementation minimises the loss our LightningModule does
   (cross entropy with label smoothing 0.1 over non-padding targets, as the shipped configs), computed from its
-  logits by the same function.
+  logits by the same function (``torch_handle.loss.token_sums``). Ours, as the LightningModule runs it, computes
+  logits at those targets only and its feed-forward blocks on the tokens that are not padding only; the peers
+  compute both at every position.
 - decoding sentences/s: 16 sources of 24 tokens, exactly 48 generated tokens each, greedy and beam 5
   (length penalty 1, early stopping: a source is done once it holds ``num_beams`` finished hypotheses). The
   length is forced by each implementation's own "minimum length" mechanism, which rules EOS out until the
@@ -83,11 +85,12 @@ SIZES = {
 # --- models -------------------------------------------------------------------------------------------------
 
 
-def _our_model(s: Sizes) -> Any:  # noqa: ANN401 - torch arrives lazily, in the child
+def _our_model(s: Sizes, no_eos: bool = True) -> Any:  # noqa: ANN401 - torch arrives lazily, in the child
     """Our Transformer as the shipped configs build it (pre-LN, sinusoidal, tied), fresh weights from seed 0.
 
-    Its ``decode`` rules EOS out, so that generation runs to exactly ``max_new_tokens`` like the peers'
-    minimum-length options; the weights are untouched, so the CTranslate2 export sees the same model.
+    With ``no_eos`` (decoding), its ``decode`` rules EOS out, so that generation runs to exactly ``max_new_tokens``
+    like the peers' minimum-length options; the weights are untouched, so the CTranslate2 export sees the same
+    model. Training takes the plain model: an EOS label under a -inf logit would make the loss infinite.
     """
     import torch
 
@@ -100,7 +103,7 @@ def _our_model(s: Sizes) -> Any:  # noqa: ANN401 - torch arrives lazily, in the 
             return logits
 
     torch.manual_seed(0)
-    return _NoEos(TransformerConfig(**_our_config(s)))
+    return (_NoEos if no_eos else Transformer)(TransformerConfig(**_our_config(s)))
 
 
 def _our_config(s: Sizes) -> dict[str, Any]:
@@ -171,21 +174,24 @@ def _parameters(model: Any) -> int:  # noqa: ANN401
 
 def _train_child(impl: str, s: Sizes, steps: int, warmup: int) -> dict[str, Any]:
     import torch
-    import torch.nn.functional as F
 
-    model = _our_model(s) if impl == "ours" else _hf_model(impl, s)
+    from torch_handle.loss import token_sums
+
+    model = _our_model(s, no_eos=False) if impl == "ours" else _hf_model(impl, s)
     generator = torch.Generator().manual_seed(1)
     batches = [_batch(torch, generator, s) for _ in range(4)]
 
     def loss_of(batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
         src, tgt, labels = batch
-        if impl == "ours":
-            logits = model(src, tgt)
+        if impl == "ours":  # as the LightningModule: logits at the positions the loss reads only
+            targets = labels != PAD
+            logits, labels = model(src, tgt, targets), labels[targets]
         else:  # no decoder mask: right padding is invisible to earlier positions, and the loss skips it
             logits = model(input_ids=src, attention_mask=src != PAD, decoder_input_ids=tgt).logits
-        return F.cross_entropy(
-            logits.flatten(0, 1).float(), labels.flatten(), ignore_index=PAD, label_smoothing=LABEL_SMOOTHING
-        )
+        loss, _, tokens = token_sums(logits, labels, PAD, LABEL_SMOOTHING)
+        loss = loss / tokens
+        assert torch.isfinite(loss), loss
+        return loss
 
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -513,9 +519,12 @@ def main() -> None:
             "attention weights and feed-forward hidden "
             "units, embeddings tied to the output projection, fresh weights (seed 0). Training: fp32 AdamW (lr 1e-4), "
             f"cross entropy with label smoothing {LABEL_SMOOTHING} over non-padding targets from each model's logits "
-            f"(our LightningModule's loss), median of {args.steps} timed steps after {args.warmup} untimed ones, "
-            "pooled "
-            f"over {args.rounds} rounds. Decoding: {s.sources} sources of {s.source_len} tokens ({s.source_len - 1} "
+            "(our LightningModule's loss, `torch_handle.loss.token_sums`); sources and targets of "
+            f"{s.seq // 2} to {s.seq} tokens, so "
+            "about a quarter of each batch is padding, on which ours, as the LightningModule, runs no feed-forward "
+            "block and computes no logits, while the peers compute every position; "
+            f"median of {args.steps} timed steps after {args.warmup} untimed ones, pooled over {args.rounds} rounds. "
+            f"Decoding: {s.sources} sources of {s.source_len} tokens ({s.source_len - 1} "
             f"random and EOS, CTranslate2 appending the EOS itself), exactly "
             f"{s.new_tokens} tokens generated per sentence (HF `min_new_tokens = max_new_tokens`, CTranslate2 "
             "`min_decoding_length = max_decoding_length`, ours with the EOS logit set to -inf after each decoder "

@@ -434,9 +434,10 @@ def _plain_model(config: Any, setting: Setting, levers: tuple[str, ...]) -> Call
         return loss_sum / tokens
 
     def step(batch: dict[str, torch.Tensor]) -> None:
+        labels = batch["tgt"][:, 1:]
+        targets = labels != config.pad_id  # as the module: logits at the targets only
         with setting.autocast():
-            logits = model(batch["src"], batch["tgt"][:, :-1])
-            loss = loss_fn(logits, batch["tgt"][:, 1:])
+            loss = loss_fn(model(batch["src"], batch["tgt"][:, :-1], targets), labels[targets])
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

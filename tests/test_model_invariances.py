@@ -90,6 +90,35 @@ def test_a_batch_without_padding_attends_unmasked_with_the_same_logits(attention
     torch.testing.assert_close(model(src, tgt), model(padded_src, padded_tgt)[:2])
 
 
+@pytest.mark.parametrize("norm_first", [True, False])
+def test_feed_forward_skips_padding_and_a_padded_batch_has_its_sentences_gradients(norm_first: bool) -> None:
+    """The feed-forward blocks run on the tokens that are not padding only, and the loss reads the logits of the
+    targets only; a padded batch's loss and gradients are still the sums of its sentences' own, each run alone
+    without padding."""
+    model = _model(norm_first=norm_first).train()  # dropout 0: training and evaluation compute the same
+    src, tgt = _batch()
+    labels = torch.cat((tgt[:, 1:], torch.full((3, 1), PAD)), dim=1)
+    seen: list[int] = []
+    for layer in (*model.encoder_layers, *model.decoder_layers):
+        layer.ff.register_forward_hook(lambda _module, args, _out: seen.append(args[0].shape[0]))
+
+    def loss(src: Tensor, tgt: Tensor, labels: Tensor) -> Tensor:
+        targets = labels != PAD
+        return F.cross_entropy(model(src, tgt, targets), labels[targets], reduction="sum")
+
+    model.zero_grad()
+    loss(src, tgt, labels).backward()
+    batched = {name: p.grad.clone() for name, p in model.named_parameters()}
+    real_src, real_tgt = int((src != PAD).sum()), int((tgt != PAD).sum())
+    assert seen == [real_src] * 2 + [real_tgt] * 2, seen  # (N, C) rows, not (B * T, C)
+    model.zero_grad()
+    for i in range(3):
+        s, t = src[i : i + 1, : int((src[i] != PAD).sum())], tgt[i : i + 1, : int((tgt[i] != PAD).sum())]
+        loss(s, t, labels[i : i + 1, : t.shape[1]]).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(batched[name], p.grad, msg=name)
+
+
 @pytest.mark.parametrize("position", POSITIONS)
 @torch.no_grad()
 def test_future_targets_never_change_earlier_logits(position: str) -> None:

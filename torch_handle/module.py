@@ -181,15 +181,17 @@ class Seq2SeqModule(L.LightningModule):
         whole evaluation set), so every token weighs the same.
         """
         src, tgt = batch["src"], batch["tgt"]
+        labels = tgt[:, 1:]
+        targets = labels != self.config.pad_id  # logits at these positions only: the loss skips the rest
         with sharded_logits():  # under tensor parallelism, the logits stay split by vocabulary for the loss
             if memory is None:
-                logits = self.model(src, tgt[:, :-1])  # (B, T, V)
+                logits = self.model(src, tgt[:, :-1], targets)  # (N, V)
             else:
-                logits = self.model.decode(tgt[:, :-1], memory, self.model.memory_padding(src))
-        return self._token_sums(logits, tgt[:, 1:])
+                logits = self.model.decode(tgt[:, :-1], memory, self.model.memory_padding(src), targets=targets)
+        return self._token_sums(logits, labels[targets])
 
     def _token_sums(self, logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Smoothed loss, NLL (both summed) and the token count of ``logits (B, T, V)`` against ``labels (B, T)``."""
+        """Smoothed loss, NLL (both summed) and the token count of ``logits (..., V)`` against ``labels (...)``."""
         if isinstance(logits, DTensor):
             return vocab_parallel_token_sums(logits, labels, self.config.pad_id, self.hparams.label_smoothing)
         sums = compiled_token_sums() if self.use_compile else token_sums

@@ -23,6 +23,7 @@ class EncoderContext(NamedTuple):
 
     spec: MaskSpec
     rope: tuple[Tensor, Tensor] | None
+    rows: Tensor | None = None  # the source tokens that are not padding, flat indices; None when none is
 
 
 class DecoderContext(NamedTuple):
@@ -31,6 +32,7 @@ class DecoderContext(NamedTuple):
     self_spec: MaskSpec
     cross_spec: MaskSpec
     rope: tuple[Tensor, Tensor] | None
+    rows: Tensor | None = None  # the decoder inputs that are not padding, flat indices; None when none is
 
 
 class DecoderCache:
@@ -71,6 +73,13 @@ def _any_padding(pad: Tensor) -> Tensor | None:
     """``pad``, or ``None`` when nothing is padding: attention without a mask runs the flash kernel on a GPU, where
     a mask (even all True) sends SDPA to a slower one. One host sync per encoder or decoder pass, not per layer."""
     return pad if bool(pad.any()) else None
+
+
+def _tokens(pad: Tensor) -> tuple[Tensor | None, Tensor | None]:
+    """``(pad, rows)``: the padding mask ``(B, T)`` and the flat indices of the tokens that are not padding, which
+    the feed-forward blocks run on alone; both ``None`` when nothing is padding (see :func:`_any_padding`)."""
+    rows = (~pad).flatten().nonzero().squeeze(1)  # the one host sync
+    return (None, None) if rows.numel() == pad.numel() else (pad, rows)
 
 
 class Transformer(nn.Module):
@@ -143,10 +152,10 @@ class Transformer(nn.Module):
         positions = torch.arange(offset, offset + length, device=device)
         return rope_angles(positions, inv_freq, c.rope_scaling, c.rope_scaling_factor)
 
-    def _run(self, layer: nn.Module, *args: object) -> Tensor:
+    def _run(self, layer: nn.Module, *args: object, **kwargs: object) -> Tensor:
         if self.activation_checkpointing and self.training and torch.is_grad_enabled():
-            return checkpoint(layer, *args, use_reentrant=False)
-        return layer(*args)
+            return checkpoint(layer, *args, use_reentrant=False, **kwargs)
+        return layer(*args, **kwargs)
 
     @property
     def _slopes(self) -> Tensor | None:
@@ -194,17 +203,18 @@ class Transformer(nn.Module):
         """What every encoder layer needs besides its input: the mask and the RoPE angles (see :meth:`encode`)."""
         c = self.config
         window = c.window if c.encoder_attention == "local" else None
+        pad, rows = _tokens(src == c.pad_id)
         if halo_padding is None:
-            spec = MaskSpec(key_padding=_any_padding(src == c.pad_id), window=window, alibi=self._slopes)
+            spec = MaskSpec(key_padding=pad, window=window, alibi=self._slopes)
         else:
             assert window is not None, "halos exist under local attention only"
             spec = MaskSpec(key_padding=halo_padding, window=window, alibi=self._slopes, q_offset=window)
-        return EncoderContext(spec, self._rope(offset, src.shape[1], src.device))
+        return EncoderContext(spec, self._rope(offset, src.shape[1], src.device), rows)
 
     def run_encoder(self, x: Tensor, context: EncoderContext, layers: range | None = None) -> Tensor:
         """Encoder layers ``layers`` (all by default) over ``x (B, S, C)``."""
         for i in range(len(self.encoder_layers)) if layers is None else layers:
-            x = self._run(self.encoder_layers[i], x, context.spec, context.rope)
+            x = self._run(self.encoder_layers[i], x, context.spec, context.rope, rows=context.rows)
         return x
 
     def finish_encoder(self, x: Tensor, src: Tensor) -> Tensor:
@@ -214,23 +224,29 @@ class Transformer(nn.Module):
             return x
         return self._pool(x, src == self.config.pad_id)
 
-    def decoder_context(self, tgt: Tensor, memory_padding: Tensor, offset: int = 0) -> DecoderContext:
-        """What every decoder layer needs besides its input and ``memory``: masks and RoPE angles."""
+    def decoder_context(
+        self, tgt: Tensor, memory_padding: Tensor, offset: int = 0, cached: bool = False
+    ) -> DecoderContext:
+        """What every decoder layer needs besides its input and ``memory``: masks, RoPE angles and, unless ``tgt``
+        holds a cached decoding's new tokens (never padding), the rows that are not padding."""
         return DecoderContext(
             MaskSpec(causal=True, alibi=self._slopes, q_offset=offset),
             MaskSpec(key_padding=_any_padding(memory_padding)),
             self._rope(offset, tgt.shape[1], tgt.device),
+            None if cached else _tokens(tgt == self.config.pad_id)[1],  # right padding: causal attention hides it
         )
 
     def run_decoder(self, x: Tensor, memory: Tensor, context: DecoderContext, layers: range | None = None) -> Tensor:
         """Decoder layers ``layers`` (all by default) over ``x (B, T, C)``, teacher-forced (no cache)."""
         for i in range(len(self.decoder_layers)) if layers is None else layers:
-            x = self._run(self.decoder_layers[i], x, memory, context.self_spec, context.cross_spec, context.rope)
+            layer, c = self.decoder_layers[i], context
+            x = self._run(layer, x, memory, c.self_spec, c.cross_spec, c.rope, rows=c.rows)
         return x
 
-    def logits(self, x: Tensor) -> Tensor:
-        """Next-token logits ``(B, T, V)`` of the last decoder layer's output."""
-        return self.lm_head(self.decoder_norm(x))
+    def logits(self, x: Tensor, targets: Tensor | None = None) -> Tensor:
+        """Next-token logits ``(B, T, V)`` of the last decoder layer's output ``x (B, T, C)``; with ``targets``, a
+        ``(B, T)`` mask, those positions' only, ``(N, V)``: a loss that skips padding needs no logits there."""
+        return self.lm_head(self.decoder_norm(x if targets is None else x[targets]))
 
     def _pool(self, x: Tensor, pad: Tensor) -> Tensor:
         """Mask-aware average pooling: padding never enters a slot's mean."""
@@ -263,19 +279,27 @@ class Transformer(nn.Module):
         cache.rope = self._rope(0, capacity, device)
         return cache
 
-    def decode(self, tgt: Tensor, memory: Tensor, memory_padding: Tensor, cache: DecoderCache | None = None) -> Tensor:
+    def decode(
+        self,
+        tgt: Tensor,
+        memory: Tensor,
+        memory_padding: Tensor,
+        cache: DecoderCache | None = None,
+        targets: Tensor | None = None,
+    ) -> Tensor:
         """Logits ``(B, T, V)`` for decoder inputs ``tgt (B, T)`` over ``memory``.
 
         With a ``cache``, ``tgt`` holds only the new tokens; their positions continue the cached ones, and
-        cross-attention keys and values are computed once and kept.
+        cross-attention keys and values are computed once and kept. Without one, ``targets`` (see :meth:`logits`)
+        keeps the logits of those positions only.
         """
         if cache is not None and cache.position is not None:
             return self._decode_static(tgt, memory, memory_padding, cache)
         offset = 0 if cache is None else cache.length
         x = self.embed_target(tgt, offset)
-        context = self.decoder_context(tgt, memory_padding, offset)
+        context = self.decoder_context(tgt, memory_padding, offset, cached=cache is not None)
         if cache is None:
-            return self.logits(self.run_decoder(x, memory, context))
+            return self.logits(self.run_decoder(x, memory, context), targets)
         for i, layer in enumerate(self.decoder_layers):
             x = layer(x, memory, context.self_spec, context.cross_spec, context.rope, cache.layers[i], cache.capacity)
         cache.length += tgt.shape[1]
@@ -299,6 +323,7 @@ class Transformer(nn.Module):
         position.add_(1)
         return self.logits(x)
 
-    def forward(self, src: Tensor, tgt: Tensor) -> Tensor:
-        """Teacher-forced logits ``(B, T, tgt_vocab_size)`` for ``src (B, S)`` and decoder input ``tgt (B, T)``."""
-        return self.decode(tgt, self.encode(src), self.memory_padding(src))
+    def forward(self, src: Tensor, tgt: Tensor, targets: Tensor | None = None) -> Tensor:
+        """Teacher-forced logits ``(B, T, tgt_vocab_size)`` for ``src (B, S)`` and decoder input ``tgt (B, T)``, or
+        ``(N, tgt_vocab_size)`` at the ``N`` positions of the mask ``targets (B, T)`` (see :meth:`logits`)."""
+        return self.decode(tgt, self.encode(src), self.memory_padding(src), targets=targets)
