@@ -119,6 +119,20 @@ def test_feed_forward_skips_padding_and_a_padded_batch_has_its_sentences_gradien
         torch.testing.assert_close(batched[name], p.grad, msg=name)
 
 
+@pytest.mark.parametrize("norm_first", [True, False])
+def test_a_padded_batch_trains_under_bf16_autocast_as_its_sentences_alone(norm_first: bool) -> None:
+    """``bf16-mixed`` on padding: the feed-forward block's bf16 output goes back into the fp32 residual stream of the
+    tokens that are not padding, and each sentence's logits are those it has alone, without padding."""
+    model = _model(norm_first=norm_first).train()
+    src, tgt = _batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(src, tgt)
+        logits.float().sum().backward()
+        for i in range(3):
+            s, t = src[i : i + 1, : int((src[i] != PAD).sum())], tgt[i : i + 1, : int((tgt[i] != PAD).sum())]
+            torch.testing.assert_close(model(s, t), logits[i : i + 1, : t.shape[1]], atol=0.05, rtol=0.02)
+
+
 @pytest.mark.parametrize("position", POSITIONS)
 @torch.no_grad()
 def test_future_targets_never_change_earlier_logits(position: str) -> None:

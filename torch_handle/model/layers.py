@@ -41,13 +41,14 @@ class _Residual(nn.Module):
     def forward(
         self, x: Tensor, sublayer: nn.Module, *args: object, rows: Tensor | None = None, **kwargs: object
     ) -> Tensor:
-        if rows is not None:
+        if rows is not None:  # under autocast the sub-layer's output may be bf16 where x is fp32, as ``x + out`` allows
             flat = x.flatten(0, 1)
             tokens = flat.index_select(0, rows)
             if self.norm_first:
-                return flat.index_add(0, rows, self.dropout(sublayer(self.norm(tokens), *args, **kwargs))).view_as(x)
+                out = self.dropout(sublayer(self.norm(tokens), *args, **kwargs))
+                return flat.index_add(0, rows, out.to(flat.dtype)).view_as(x)
             out = self.norm(tokens + self.dropout(sublayer(tokens, *args, **kwargs)))
-            return flat.index_copy(0, rows, out).view_as(x)
+            return flat.index_copy(0, rows, out.to(flat.dtype)).view_as(x)
         if self.norm_first:
             return x + self.dropout(sublayer(self.norm(x), *args, **kwargs))
         return self.norm(x + self.dropout(sublayer(x, *args, **kwargs)))
