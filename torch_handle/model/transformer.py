@@ -238,9 +238,9 @@ class Transformer(nn.Module):
 
     def run_decoder(self, x: Tensor, memory: Tensor, context: DecoderContext, layers: range | None = None) -> Tensor:
         """Decoder layers ``layers`` (all by default) over ``x (B, T, C)``, teacher-forced (no cache)."""
+        c = context
         for i in range(len(self.decoder_layers)) if layers is None else layers:
-            layer, c = self.decoder_layers[i], context
-            x = self._run(layer, x, memory, c.self_spec, c.cross_spec, c.rope, rows=c.rows)
+            x = self._run(self.decoder_layers[i], x, memory, c.self_spec, c.cross_spec, c.rope, rows=c.rows)
         return x
 
     def logits(self, x: Tensor, targets: Tensor | None = None) -> Tensor:
