@@ -27,11 +27,17 @@ Usage::
     python benchmarks/bench_peers.py                       # about 8 minutes at 1 thread; writes RESULTS.md
     python benchmarks/bench_peers.py --dry-run --no-write  # every code path at a tiny size, about a minute
     python benchmarks/bench_peers.py --child ours --task decode   # one child measurement, prints JSON
+    python benchmarks/bench_peers.py --device cuda --no-write     # on a GPU in bf16 autocast: ours, BART, Marian
+
+On a GPU (``--device cuda``) every torch child runs its forward passes under bf16 autocast with fp32 weights, as
+Lightning's ``bf16-mixed``, AdamW fused, the device synchronised around each timed step; memory is the device's
+peak allocation. CTranslate2 is left out there (its goal is a CPU one).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import random
@@ -172,14 +178,15 @@ def _parameters(model: Any) -> int:  # noqa: ANN401
 # --- children -----------------------------------------------------------------------------------------------
 
 
-def _train_child(impl: str, s: Sizes, steps: int, warmup: int) -> dict[str, Any]:
+def _train_child(impl: str, s: Sizes, steps: int, warmup: int, device: str) -> dict[str, Any]:
     import torch
 
     from torch_handle.loss import token_sums
 
-    model = _our_model(s, no_eos=False) if impl == "ours" else _hf_model(impl, s)
+    model = (_our_model(s, no_eos=False) if impl == "ours" else _hf_model(impl, s)).to(device)
     generator = torch.Generator().manual_seed(1)
-    batches = [_batch(torch, generator, s) for _ in range(4)]
+    batches = [tuple(t.to(device) for t in _batch(torch, generator, s)) for _ in range(4)]
+    cuda = device == "cuda"
 
     def loss_of(batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
         src, tgt, labels = batch
@@ -194,17 +201,42 @@ def _train_child(impl: str, s: Sizes, steps: int, warmup: int) -> dict[str, Any]
         return loss
 
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda or None)
     wall, cpu = [], []
     for step in range(warmup + steps):
+        _sync(device)
         start, cpu_start = time.perf_counter(), time.process_time()
         optimizer.zero_grad(set_to_none=True)
-        loss_of(batches[step % len(batches)]).backward()
+        with _autocast(device):
+            loss = loss_of(batches[step % len(batches)])
+        loss.backward()
         optimizer.step()
+        _sync(device)
         if step >= warmup:
             wall.append(time.perf_counter() - start)
             cpu.append(time.process_time() - cpu_start)
-    return {"wall": wall, "cpu": cpu, "peak_rss": common.peak_rss_bytes(), "parameters": _parameters(model)}
+    return {"wall": wall, "cpu": cpu, "peak": _peak_bytes(device), "parameters": _parameters(model)}
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _autocast(device: str) -> Any:  # noqa: ANN401
+    """bf16 autocast on a GPU (Lightning's ``bf16-mixed``); fp32 on the CPU."""
+    import torch
+
+    return torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
+
+
+def _peak_bytes(device: str) -> int:
+    """The device's peak allocation on a GPU, the child's peak RSS on the CPU."""
+    import torch
+
+    return torch.cuda.max_memory_allocated() if device == "cuda" else common.peak_rss_bytes()
 
 
 def _batch(torch: Any, generator: Any, s: Sizes) -> tuple[Any, Any, Any]:  # noqa: ANN401
@@ -247,7 +279,7 @@ def _export_child(s: Sizes, folder: Path) -> dict[str, Any]:
     return {}
 
 
-def _decode_child(impl: str, s: Sizes, repeats: int, threads: int, folder: Path | None) -> dict[str, Any]:
+def _decode_child(impl: str, s: Sizes, repeats: int, threads: int, folder: Path | None, device: str) -> dict[str, Any]:
     """Times greedy and beam decoding of the same sources; asserts every sentence has ``new_tokens`` tokens.
 
     The CTranslate2 children import no torch: their peak RSS is what a CTranslate2 deployment holds.
@@ -285,8 +317,8 @@ def _decode_child(impl: str, s: Sizes, repeats: int, threads: int, folder: Path 
     else:
         import torch
 
-        src = torch.tensor(_sources(s))
-        decode = _torch_decoder(impl, s, src)
+        src = torch.tensor(_sources(s), device=device)
+        decode = _torch_decoder(impl, s, src, device)
 
     figures: dict[str, Any] = {"agreement": agreement}
     for name, beams in (("greedy", 1), ("beam", s.beams)):
@@ -296,27 +328,29 @@ def _decode_child(impl: str, s: Sizes, repeats: int, threads: int, folder: Path 
         assert all(EOS not in row for row in sentences), f"{impl} {name}: EOS before the forced length"
         wall, cpu = common.median_wall_and_cpu(lambda beams=beams: decode(beams), repeats, warmup=1)
         figures[name] = {"wall": wall, "cpu": cpu, "length": lengths[0]}
-    return figures | {"peak_rss": common.peak_rss_bytes()}
+    return figures | {"peak": common.peak_rss_bytes() if impl.startswith("ct2") else _peak_bytes(device)}
 
 
-def _torch_decoder(impl: str, s: Sizes, src: Any) -> Callable[[int], list[list[int]]]:  # noqa: ANN401
-    """``decode(num_beams)`` -> the generated ids of each sentence, for ours or a Hugging Face model."""
+def _torch_decoder(impl: str, s: Sizes, src: Any, device: str) -> Callable[[int], list[list[int]]]:  # noqa: ANN401
+    """``decode(num_beams)`` -> the generated ids of each sentence, for ours or a Hugging Face model (its
+    ``tolist`` waits for the device)."""
     import torch
 
     if impl == "ours":
         from torch_handle.model import generate
 
-        model = _our_model(s).eval()
+        model = _our_model(s).to(device).eval()
 
         def decode(beams: int) -> list[list[int]]:
-            out = generate(model, src, s.new_tokens, num_beams=beams)  # (B, L), PAD after EOS
+            with _autocast(device):
+                out = generate(model, src, s.new_tokens, num_beams=beams)  # (B, L), PAD after EOS
             return [[t for t in row if t != PAD] for row in out.tolist()]
 
         return decode
 
     from transformers import GenerationConfig
 
-    model = _hf_model(impl, s).eval()
+    model = _hf_model(impl, s).to(device).eval()
 
     def hf_decode(beams: int) -> list[list[int]]:
         generation = GenerationConfig(
@@ -331,7 +365,7 @@ def _torch_decoder(impl: str, s: Sizes, src: Any) -> Callable[[int], list[list[i
             pad_token_id=PAD,
             suppress_tokens=[PAD, BOS],  # as ours: neither is ever a next token
         )
-        with torch.no_grad():
+        with torch.no_grad(), _autocast(device):
             out = model.generate(input_ids=src, attention_mask=torch.ones_like(src), generation_config=generation)
         assert (out[:, 0] == BOS).all(), out[:, 0]  # the decoder start, then the generated tokens
         return [row[1 : 1 + row[1:].index(EOS)] if EOS in row[1:] else row[1:] for row in out.tolist()]
@@ -342,46 +376,64 @@ def _torch_decoder(impl: str, s: Sizes, src: Any) -> Callable[[int], list[list[i
 def _child(impl: str, task: str, s: Sizes, args: argparse.Namespace) -> dict[str, Any]:
     folder = Path(args.export_dir) if args.export_dir else None
     if impl.startswith("ct2"):
-        result = _decode_child(impl, s, args.repeats, args.threads, folder)
-        return result | {"impl": impl, "task": task, "threads": args.threads, "torch": None}
+        result = _decode_child(impl, s, args.repeats, args.threads, folder, "cpu")
+        return result | {"impl": impl, "task": task, "threads": args.threads, "torch": None, "gpu": None}
     import torch
 
     torch.set_num_threads(args.threads)
     if task == "train":
-        result = _train_child(impl, s, args.steps, args.warmup)
+        result = _train_child(impl, s, args.steps, args.warmup, args.device)
     elif task == "export":
         assert folder is not None, "--task export needs --export-dir"
         result = _export_child(s, folder)
     else:
-        result = _decode_child(impl, s, args.repeats, args.threads, folder)
-    return result | {"impl": impl, "task": task, "threads": torch.get_num_threads(), "torch": torch.__version__}
+        result = _decode_child(impl, s, args.repeats, args.threads, folder, args.device)
+    gpu = torch.cuda.get_device_name() if args.device == "cuda" else None
+    return result | {
+        "impl": impl,
+        "task": task,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "gpu": gpu,
+    }
 
 
 # --- parent -------------------------------------------------------------------------------------------------
 
 
-def _versions() -> str:
-    import ctranslate2
+def _versions(device: str) -> str:
     import transformers
 
+    if device == "cuda":  # no CTranslate2 there
+        return f"transformers {transformers.__version__}"
+    import ctranslate2
+
     return f"transformers {transformers.__version__}, ctranslate2 {ctranslate2.__version__}"
+
+
+def _decoders(device: str) -> list[str]:
+    """The implementations that decode: CTranslate2 on the CPU only, where its goal is."""
+    return IMPLS if device == "cpu" else TRAINABLE
 
 
 def _run_all(args: argparse.Namespace) -> tuple[dict[str, dict[str, list[dict]]], str]:
     """Every (task, implementation) child ``args.rounds`` times, alternating the order; the machine line."""
     script = str(Path(__file__).resolve())
     common_args = ["--threads", str(args.threads), "--steps", str(args.steps), "--warmup", str(args.warmup)]
-    common_args += ["--repeats", str(args.repeats)] + (["--dry-run"] if args.dry_run else [])
-    runs: dict[str, dict[str, list[dict]]] = {"train": {i: [] for i in TRAINABLE}, "decode": {i: [] for i in IMPLS}}
+    common_args += ["--repeats", str(args.repeats), "--device", args.device] + (["--dry-run"] if args.dry_run else [])
+    common_args += ["--batch", str(args.batch)] if args.batch else []
+    decoders = _decoders(args.device)
+    runs: dict[str, dict[str, list[dict]]] = {"train": {i: [] for i in TRAINABLE}, "decode": {i: [] for i in decoders}}
     machine = ""
     with tempfile.TemporaryDirectory() as folder:
-        common.run_child(script, ["--child", "ours", "--task", "export", "--export-dir", folder, *common_args])
-        for task, impls in (("train", TRAINABLE), ("decode", IMPLS)):
+        if "ct2-fp32" in decoders:
+            common.run_child(script, ["--child", "ours", "--task", "export", "--export-dir", folder, *common_args])
+        for task, impls in (("train", TRAINABLE), ("decode", decoders)):
             for round_index in range(args.rounds):
                 for impl in impls if round_index % 2 == 0 else impls[::-1]:
                     child_args = ["--child", impl, "--task", task, "--export-dir", folder, *common_args]
                     run = common.run_child(script, child_args)
-                    machine = machine or common.machine_line(run["threads"], run["torch"])
+                    machine = machine or common.machine_line(run["threads"], run["torch"], run["gpu"])
                     if task == "train":
                         log.info("train %s: median step %.0f ms", impl, 1e3 * statistics.median(run["wall"]))
                     else:
@@ -402,14 +454,16 @@ def _pooled(runs: list[dict], *path: str) -> float:
     return statistics.median(values)
 
 
-def _table(runs: dict[str, dict[str, list[dict]]], s: Sizes) -> tuple[list[str], list[list[str]]]:
+def _table(runs: dict[str, dict[str, list[dict]]], s: Sizes, device: str) -> tuple[list[str], list[list[str]]]:
     """Rows = measurements; columns = implementations, then ours / each peer, then the issue's goal."""
-    peers = ["bart", "marian", "ct2-fp32"]
-    header = ["measurement", *(NAMES[i] for i in IMPLS), *(f"ours / {NAMES[p]}" for p in peers), "goal"]
+    impls = _decoders(device)
+    peers = [p for p in ("bart", "marian", "ct2-fp32") if p in impls]
+    header = ["measurement", *(NAMES[i] for i in impls), *(f"ours / {NAMES[p]}" for p in peers), "goal"]
+    memory = "peak RSS" if device == "cpu" else "peak GPU memory"
 
     def row(label: str, cells: dict[str, str], values: dict[str, float] | None = None, goal: str = "-") -> list[str]:
         ratios = [f"{values['ours'] / values[p]:.2f}" if values and p in values else "-" for p in peers]
-        return [label, *(cells.get(i, "-") for i in IMPLS), *ratios, goal]
+        return [label, *(cells.get(i, "-") for i in impls), *ratios, goal]
 
     train, decode = runs["train"], runs["decode"]
     wall = {i: _pooled(train[i], "wall") for i in TRAINABLE}
@@ -428,27 +482,29 @@ def _table(runs: dict[str, dict[str, list[dict]]], s: Sizes) -> tuple[list[str],
             cpu,
             _goal(cpu["ours"] / cpu["bart"], "<=", 0.9, "BART"),
         ),
-        row("training peak RSS (MiB)", {i: f"{_peak(train[i]):,.0f}" for i in TRAINABLE}),
+        row(f"training {memory} (MiB)", {i: f"{_peak(train[i]):,.0f}" for i in TRAINABLE}),
         row("parameters", {i: f"{train[i][0]['parameters']:,}" for i in TRAINABLE}),
     ]
     for name, label in (("greedy", "greedy"), ("beam", f"beam {s.beams}")):
-        speed = {i: s.sources / _pooled(decode[i], name, "wall") for i in IMPLS}
-        goal = _goal(speed["ours"] / speed["bart"], ">=", 1.5, "BART") + "; "
-        goal += _goal(speed["ours"] / speed["ct2-fp32"], ">=", 0.8, "CT2 fp32")
+        speed = {i: s.sources / _pooled(decode[i], name, "wall") for i in impls}
+        goal = _goal(speed["ours"] / speed["bart"], ">=", 1.5, "BART")
+        if "ct2-fp32" in speed:
+            goal += "; " + _goal(speed["ours"] / speed["ct2-fp32"], ">=", 0.8, "CT2 fp32")
         label = f"{label} decoding, sentences/s (wall), {s.sources} x {s.source_len} tokens in"
         rows.append(row(label, {i: f"{v:.1f}" for i, v in speed.items()}, speed, goal))
-    lengths = {i: {f"{run['greedy']['length']} / {run['beam']['length']}" for run in decode[i]} for i in IMPLS}
+    lengths = {i: {f"{run['greedy']['length']} / {run['beam']['length']}" for run in decode[i]} for i in impls}
     rows.append(
         row("tokens generated per sentence, greedy / beam", {i: " or ".join(sorted(v)) for i, v in lengths.items()})
     )
-    agreement = {i: f"{decode[i][0]['agreement']}/{s.sources}" for i in IMPLS if decode[i][0]["agreement"] is not None}
-    rows.append(row("greedy sentences identical to ours", agreement))
-    rows.append(row("decoding peak RSS (MiB)", {i: f"{_peak(decode[i]):,.0f}" for i in IMPLS}))
+    agreement = {i: f"{decode[i][0]['agreement']}/{s.sources}" for i in impls if decode[i][0]["agreement"] is not None}
+    if agreement:
+        rows.append(row("greedy sentences identical to ours", agreement))
+    rows.append(row(f"decoding {memory} (MiB)", {i: f"{_peak(decode[i]):,.0f}" for i in impls}))
     return header, rows
 
 
 def _peak(runs: list[dict]) -> float:
-    return max(run["peak_rss"] for run in runs) / 2**20
+    return max(run["peak"] for run in runs) / 2**20
 
 
 def _goal(ratio: float, relation: str, target: float, peer: str) -> str:
@@ -456,27 +512,61 @@ def _goal(ratio: float, relation: str, target: float, peer: str) -> str:
     return f"{relation} {target:.1f}x {peer}: {'met' if met else 'missed'}"
 
 
-def _configs(s: Sizes) -> str:
+def _description(args: argparse.Namespace, s: Sizes) -> str:
+    """The paragraph under the command line: sizes, what each measurement times, and how."""
+    cpu = args.device == "cpu"
+    optimizer = "fp32 AdamW" if cpu else "fp32 weights, bf16 autocast, fused AdamW"
+    ct2 = ", CTranslate2 appending the EOS itself" if cpu else ""
+    lengths = "HF `min_new_tokens = max_new_tokens`, " + (
+        "CTranslate2 `min_decoding_length = max_decoding_length`, " if cpu else ""
+    )
+    memory = (
+        'CTranslate2 decodes our model\'s weights (the "identical" row compares its greedy sentences with ours). '
+        "Peak RSS is the child's high-water mark with what it imported: torch for ours, torch and transformers for "
+        "HF; the CTranslate2 children import no torch (the export was written by a child of its own beforehand)."
+        if cpu
+        else "Peak GPU memory is `torch.cuda.max_memory_allocated` in each child; the device is synchronised "
+        "around each timed training step, and decoding's `tolist` waits for it."
+    )
+    return (
+        f"Size: d_model {s.d_model}, {s.num_heads} heads, {s.layers}+{s.layers} layers, d_ff {s.d_ff}, "
+        f"vocabulary {s.vocab} (pad 0, BOS 1 = decoder start, EOS 2), ReLU, dropout {DROPOUT} on residuals, "
+        "attention weights and feed-forward hidden units, embeddings tied to the output projection, fresh weights "
+        f"(seed 0). Training: {optimizer} (lr 1e-4), cross entropy with label smoothing {LABEL_SMOOTHING} over "
+        "non-padding targets from each model's logits (our LightningModule's loss, `torch_handle.loss.token_sums`); "
+        f"sources and targets of {s.seq // 2} to {s.seq} tokens, so about a quarter of each batch is padding, on "
+        "which ours, as the LightningModule, runs no feed-forward block and computes no logits, while the peers "
+        f"compute every position; median of {args.steps} timed steps after {args.warmup} untimed ones, pooled over "
+        f"{args.rounds} rounds. Decoding: {s.sources} sources of {s.source_len} tokens ({s.source_len - 1} random "
+        f"and EOS{ct2}), exactly {s.new_tokens} tokens generated per sentence ({lengths}ours with the EOS logit set "
+        "to -inf after each decoder step; every child asserts the lengths), encoder included, median of "
+        f"{args.repeats} calls after one untimed call, pooled over the rounds. {memory}"
+    )
+
+
+def _configs(s: Sizes, cpu: bool) -> str:
     ours = {k: v for k, v in _our_config(s).items() if k not in ("pad_id", "bos_id", "eos_id")}
     hf = {k: v for k, v in _hf_config("bart", s).items() if not k.endswith("token_id")}
-    return "\n".join(
-        [
-            f"- ours: `TransformerConfig({', '.join(f'{k}={v!r}' for k, v in ours.items())})`, SDPA on CPU; pre-LN "
-            "with a final LayerNorm after each stack, sinusoidal positions (interleaved sin/cos), no embedding "
-            "LayerNorm.",
-            f"- HF BART: `BartConfig({', '.join(f'{k}={v!r}' for k, v in hf.items())}, forced_eos_token_id=None)`, "
-            "`attn_implementation='sdpa'`; post-LN plus a LayerNorm on the embeddings (`layernorm_embedding`), "
-            "learned positions (offset 2), an output bias (`final_logits_bias`).",
-            "- HF Marian: `MarianConfig` with the same values and `share_encoder_decoder_embeddings=True`, "
-            "`attn_implementation='sdpa'`; post-LN, no embedding LayerNorm, sinusoidal positions (static, sin and cos "
-            "halves), an output bias.",
+    lines = [
+        f"- ours: `TransformerConfig({', '.join(f'{k}={v!r}' for k, v in ours.items())})`, SDPA; pre-LN "
+        "with a final LayerNorm after each stack, sinusoidal positions (interleaved sin/cos), no embedding "
+        "LayerNorm.",
+        f"- HF BART: `BartConfig({', '.join(f'{k}={v!r}' for k, v in hf.items())}, forced_eos_token_id=None)`, "
+        "`attn_implementation='sdpa'`; post-LN plus a LayerNorm on the embeddings (`layernorm_embedding`), "
+        "learned positions (offset 2), an output bias (`final_logits_bias`).",
+        "- HF Marian: `MarianConfig` with the same values and `share_encoder_decoder_embeddings=True`, "
+        "`attn_implementation='sdpa'`; post-LN, no embedding LayerNorm, sinusoidal positions (static, sin and cos "
+        "halves), an output bias.",
+    ]
+    if cpu:
+        lines.append(
             "- CT2 fp32 / int8: ours exported by `torch_handle.ctranslate2.write_model` (pre-norm `TransformerSpec`, "
             "-inf output bias on pad and BOS, `add_source_eos`), "
             "`ctranslate2.Translator(device='cpu', compute_type='float32' | 'int8', intra_threads=THREADS, "
             "inter_threads=1)`, `translate_batch(beam_size=1 | 5, min_decoding_length=max_decoding_length="
-            f"{s.new_tokens}, length_penalty=1.0)`.",
-        ]
-    )
+            f"{s.new_tokens}, length_penalty=1.0)`."
+        )
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -485,6 +575,8 @@ def main() -> None:
     parser.add_argument("--task", choices=["train", "decode", "export"], default="decode", help="with --child")
     parser.add_argument("--export-dir", help="with --child: the folder that --task export writes, CT2 reads")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads in every child")
+    parser.add_argument("--batch", type=int, help="training rows (default 32; a GPU is idle at 32)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: bf16 autocast, no CTranslate2")
     parser.add_argument("--steps", type=int, default=5, help="timed training steps per run")
     parser.add_argument("--warmup", type=int, default=2, help="untimed training steps first")
     parser.add_argument("--repeats", type=int, default=3, help="timed decoding calls per run (one untimed first)")
@@ -497,6 +589,8 @@ def main() -> None:
     if args.dry_run:
         args.steps, args.warmup, args.repeats, args.rounds = 1, 1, 1, 1
     s = SIZES["dry" if args.dry_run else "full"]
+    if args.batch:
+        s = dataclasses.replace(s, batch=args.batch)
 
     if args.child:
         print(json.dumps(_child(args.child, args.task, s, args)))
@@ -507,42 +601,29 @@ def main() -> None:
     runs, machine = _run_all(args)
     minutes = (time.perf_counter() - start) / 60
     log.info("all children: %.1f min", minutes)
-    header, rows = _table(runs, s)
-    command = f"python benchmarks/bench_peers.py --threads {args.threads} --steps {args.steps} --warmup {args.warmup}"
+    header, rows = _table(runs, s, args.device)
+    command = f"python benchmarks/bench_peers.py --device {args.device} --threads {args.threads} --steps {args.steps}"
+    command += f" --warmup {args.warmup}"
+    command += f" --batch {args.batch}" if args.batch else ""
     command += f" --repeats {args.repeats} --rounds {args.rounds}" + (" --dry-run" if args.dry_run else "")
+    cpu = args.device == "cpu"
     body = "\n\n".join(
         [
-            "## bench_peers: ours vs Hugging Face BART / Marian and CTranslate2",
-            f"Command: `{command}` ({minutes:.1f} min). {machine} {_versions()}.",
-            f"Size: d_model {s.d_model}, {s.num_heads} heads, {s.layers}+{s.layers} layers, d_ff {s.d_ff}, "
-            f"vocabulary {s.vocab} (pad 0, BOS 1 = decoder start, EOS 2), ReLU, dropout {DROPOUT} on residuals, "
-            "attention weights and feed-forward hidden "
-            "units, embeddings tied to the output projection, fresh weights (seed 0). Training: fp32 AdamW (lr 1e-4), "
-            f"cross entropy with label smoothing {LABEL_SMOOTHING} over non-padding targets from each model's logits "
-            "(our LightningModule's loss, `torch_handle.loss.token_sums`); sources and targets of "
-            f"{s.seq // 2} to {s.seq} tokens, so "
-            "about a quarter of each batch is padding, on which ours, as the LightningModule, runs no feed-forward "
-            "block and computes no logits, while the peers compute every position; "
-            f"median of {args.steps} timed steps after {args.warmup} untimed ones, pooled over {args.rounds} rounds. "
-            f"Decoding: {s.sources} sources of {s.source_len} tokens ({s.source_len - 1} "
-            f"random and EOS, CTranslate2 appending the EOS itself), exactly "
-            f"{s.new_tokens} tokens generated per sentence (HF `min_new_tokens = max_new_tokens`, CTranslate2 "
-            "`min_decoding_length = max_decoding_length`, ours with the EOS logit set to -inf after each decoder "
-            "step; every child asserts the lengths), encoder included, median of "
-            f"{args.repeats} calls after one untimed call, pooled over the rounds. CTranslate2 decodes our model's "
-            'weights (the "identical" row compares its greedy sentences with ours). Peak RSS is the child\'s '
-            "high-water mark with what it imported: torch for ours, torch and transformers for HF; the CTranslate2 "
-            "children import no torch (the export was written by a child of its own beforehand).",
+            "## bench_peers: ours vs Hugging Face BART / Marian and CTranslate2"
+            if cpu
+            else "## bench_peers on a GPU: ours vs Hugging Face BART / Marian in bf16 autocast",
+            f"Command: `{command}` ({minutes:.1f} min). {machine} {_versions(args.device)}.",
+            _description(args, s),
             common.markdown_table(header, rows),
             "Ratios are ours / peer: for step time lower is better, for sentences/s higher is better. Goals from "
             "issue 12.",
-            "Configurations:\n\n" + _configs(s),
+            "Configurations:\n\n" + _configs(s, cpu),
         ]
     )
     if args.no_write:
         print(body)
     else:
-        common.write_section("bench_peers", body)
+        common.write_section("bench_peers" if args.device == "cpu" else "bench_peers_gpu", body)
         log.info("wrote the bench_peers section of %s", common.RESULTS)
 
 

@@ -103,11 +103,12 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def machine_line(threads: int, torch_version: str) -> str:
-    """One line that says which machine produced a table."""
+def machine_line(threads: int, torch_version: str, gpu: str | None = None) -> str:
+    """One line that says which machine produced a table (``gpu``: the device's name, where it ran on one)."""
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     return (
-        f"Device: CPU `{cpu_name()}` ({os.cpu_count()} logical cores), {threads} intra-op thread(s), "
+        f"Device: {f'GPU `{gpu}`, host ' if gpu else ''}CPU `{cpu_name()}` ({os.cpu_count()} logical cores), "
+        f"{threads} intra-op thread(s), "
         f"torch {torch_version}, Python {platform.python_version()}; load average at the start {load}; "
         f"run {time.strftime('%Y-%m-%d %H:%M %Z')}."
     )

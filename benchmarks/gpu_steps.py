@@ -274,7 +274,6 @@ def throughput(setting: Setting) -> dict[str, Any]:
              "dropout0": "dropout 0", "double": f"{2 * rows} rows",
              "residual": "attention and activation dropout 0 (the paper's dropout)"}  # fmt: skip
     for loop, levers in runs:
-        run = _lightning_step if loop == "Lightning" else _plain_step
         model_config = dataclasses.replace(config, dropout=0.0) if "dropout0" in levers else config
         if "residual" in levers:
             model_config = dataclasses.replace(config, attention_dropout=0.0, activation_dropout=0.0)
@@ -282,7 +281,11 @@ def throughput(setting: Setting) -> dict[str, Any]:
         inputs = padded if "padded" in levers else batches
         if run_rows != rows:
             inputs = _batches(vocab, run_rows, length, warmup + steps)
-        step, memory = run(Timing(model_config, setting, warmup, steps), inputs, levers)
+        timing = Timing(model_config, setting, warmup, steps)
+        if loop == "Lightning":  # built where it runs: a 400M model's host init took seconds a build
+            step, memory = _lightning_step(timing, inputs, levers, init_device=setting.device)
+        else:
+            step, memory = _plain_step(timing, inputs, levers)
         results[(loop, levers)] = step
         flops = training_flops(config, [length] * run_rows, [length] * run_rows)
         mfus[(loop, levers)] = flops / step / peak * 100 if peak else None
@@ -302,7 +305,8 @@ def throughput(setting: Setting) -> dict[str, Any]:
     if not setting.dry_run:
         tables.append(_profile(config, batches, setting))
         mark("profiled step")
-    model = Transformer(config).to(setting.device).train()
+    with setting.device:  # initialised where it runs: a 400M model's host init took seconds a build
+        model = Transformer(config).train()
     counted = _counted_flops(model, {k: v.to(setting.device) for k, v in batches[0].items()}, setting)
     mark("FLOPs counted")
     best = max((m for (_, levers), m in mfus.items() if not {"dropout0", "residual"} & set(levers) and m), default=None)
@@ -347,10 +351,12 @@ def _lightning_step(
     strategy: Any = "auto",
     profiled: list[dict[str, Any]] | None = None,
     before_fit: Callable[[], None] = lambda: None,
+    init_device: torch.device | str = "cpu",
 ) -> tuple[float, float | None]:
     """Median step of Seq2SeqModule under ``lightning.Trainer`` (its AdamW is fused on a GPU), and peak memory.
     ``profiled``: the last step runs under cProfile and the torch profiler, whose results are appended to it.
-    ``before_fit`` runs once the module and trainer are built, before anything reaches the device."""
+    ``before_fit`` runs once the module and trainer are built, before anything reaches the device. ``init_device``:
+    where the module is built and initialised (the strategies' processes build theirs on the host before their turn)."""
     config, setting, warmup, steps = timing.config, timing.setting, timing.warmup, timing.steps
     import lightning as L
 
@@ -393,10 +399,11 @@ def _lightning_step(
                 self.profilers = None
 
     torch.manual_seed(0)
-    module = Seq2SeqModule(
-        transformer=config, vocab_size=config.src_vocab_size, warmup_steps=2, generate_every_n_val_epochs=0,
-        compile="compile" in levers,
-    )  # fmt: skip
+    with torch.device(init_device):
+        module = Seq2SeqModule(
+            transformer=config, vocab_size=config.src_vocab_size, warmup_steps=2, generate_every_n_val_epochs=0,
+            compile="compile" in levers,
+        )  # fmt: skip
     mark("model built")
     timer = Timer()
     trainer = L.Trainer(
@@ -420,7 +427,8 @@ def _plain_model(config: Any, setting: Setting, levers: tuple[str, ...]) -> Call
     from torch_handle.model import Transformer
 
     torch.manual_seed(0)
-    model = Transformer(config).to(setting.device).train()
+    with setting.device:  # initialised where it runs, not on the host first
+        model = Transformer(config).train()
     if "compile" in levers:
         for layer in (*model.encoder_layers, *model.decoder_layers):
             layer.compile()
