@@ -321,29 +321,40 @@ def _decode_child(impl: str, s: Sizes, repeats: int, threads: int, folder: Path 
         decode = _torch_decoder(impl, s, src, device)
 
     figures: dict[str, Any] = {"agreement": agreement}
-    for name, beams in (("greedy", 1), ("beam", s.beams)):
-        sentences = decode(beams)
+    modes = [("greedy", 1, {}), ("beam", s.beams, {})]
+    if impl == "ours" and device == "cpu":  # torch_handle.load(..., compile=True): greedy only, CPU only
+        modes.append(("greedy_compiled", 1, {"compiled": True}))
+    for name, beams, options in modes:
+        start = time.perf_counter()
+        sentences = decode(beams, **options)
+        first = time.perf_counter() - start  # the compiled step's compiling included
         lengths = sorted({len(row) for row in sentences})
         assert len(sentences) == s.sources and lengths == [s.new_tokens], f"{impl} {name}: lengths {lengths}"
         assert all(EOS not in row for row in sentences), f"{impl} {name}: EOS before the forced length"
-        wall, cpu = common.median_wall_and_cpu(lambda beams=beams: decode(beams), repeats, warmup=1)
-        figures[name] = {"wall": wall, "cpu": cpu, "length": lengths[0]}
+        if options:
+            assert sentences == decode(1), f"{impl} {name}: not the eager greedy sentences"
+        wall, cpu = common.median_wall_and_cpu(lambda b=beams, o=options: decode(b, **o), repeats, warmup=1)
+        figures[name] = {"wall": wall, "cpu": cpu, "length": lengths[0], "first": first}
     return figures | {"peak": common.peak_rss_bytes() if impl.startswith("ct2") else _peak_bytes(device)}
 
 
-def _torch_decoder(impl: str, s: Sizes, src: Any, device: str) -> Callable[[int], list[list[int]]]:  # noqa: ANN401
+def _torch_decoder(impl: str, s: Sizes, src: Any, device: str) -> Callable[..., list[list[int]]]:  # noqa: ANN401
     """``decode(num_beams)`` -> the generated ids of each sentence, for ours or a Hugging Face model (its
-    ``tolist`` waits for the device)."""
+    ``tolist`` waits for the device); ours also takes ``compiled=True`` (greedy over a :class:`CompiledDecode`)."""
     import torch
 
     if impl == "ours":
-        from torch_handle.model import generate
+        from torch_handle.model import CompiledDecode, generate
 
         model = _our_model(s).to(device).eval()
+        compiled_step: list[CompiledDecode] = []  # made at the first compiled call
 
-        def decode(beams: int) -> list[list[int]]:
+        def decode(beams: int, compiled: bool = False) -> list[list[int]]:
+            if compiled and not compiled_step:
+                compiled_step.append(CompiledDecode(model))
+            step = compiled_step[0] if compiled else None
             with _autocast(device):
-                out = generate(model, src, s.new_tokens, num_beams=beams)  # (B, L), PAD after EOS
+                out = generate(model, src, s.new_tokens, num_beams=beams, decode=step)  # (B, L), PAD after EOS
             return [[t for t in row if t != PAD] for row in out.tolist()]
 
         return decode
@@ -437,9 +448,11 @@ def _run_all(args: argparse.Namespace) -> tuple[dict[str, dict[str, list[dict]]]
                     if task == "train":
                         log.info("train %s: median step %.0f ms", impl, 1e3 * statistics.median(run["wall"]))
                     else:
+                        compiled = run.get("greedy_compiled")
                         log.info(
-                            "decode %s: greedy %.3f s, beam %.3f s", impl, run["greedy"]["wall"], run["beam"]["wall"]
-                        )
+                            "decode %s: greedy %.3f s, beam %.3f s%s", impl, run["greedy"]["wall"], run["beam"]["wall"],
+                            f", greedy compiled {compiled['wall']:.3f} s" if compiled else "",
+                        )  # fmt: skip
                     runs[task][impl].append(run)
     return runs, machine
 
@@ -492,6 +505,15 @@ def _table(runs: dict[str, dict[str, list[dict]]], s: Sizes, device: str) -> tup
             goal += "; " + _goal(speed["ours"] / speed["ct2-fp32"], ">=", 0.8, "CT2 fp32")
         label = f"{label} decoding, sentences/s (wall), {s.sources} x {s.source_len} tokens in"
         rows.append(row(label, {i: f"{v:.1f}" for i, v in speed.items()}, speed, goal))
+    if "greedy_compiled" in decode["ours"][0]:
+        speed = {i: s.sources / _pooled(decode[i], "greedy", "wall") for i in impls}
+        speed["ours"] = s.sources / _pooled(decode["ours"], "greedy_compiled", "wall")
+        goal = _goal(speed["ours"] / speed["bart"], ">=", 1.5, "BART") + "; "
+        goal += _goal(speed["ours"] / speed["ct2-fp32"], ">=", 0.8, "CT2 fp32")
+        label = "ours compiled (`load(..., compile=True)`): greedy decoding, sentences/s (wall); peers as above"
+        rows.append(row(label, {"ours": f"{speed['ours']:.1f}"}, speed, goal))
+        first = max(run["greedy_compiled"]["first"] for run in decode["ours"])
+        rows.append(row("ours compiled: its first call, compiling included (s)", {"ours": f"{first:.1f}"}))
     lengths = {i: {f"{run['greedy']['length']} / {run['beam']['length']}" for run in decode[i]} for i in impls}
     rows.append(
         row("tokens generated per sentence, greedy / beam", {i: " or ".join(sorted(v)) for i, v in lengths.items()})

@@ -18,11 +18,13 @@ from safetensors.torch import load_file, save_file
 
 import torch_handle
 from tests.helpers import reference_run
+from torch_handle.api import Model
 from torch_handle.checkpoints import CheckpointError
 from torch_handle.cli import main
 from torch_handle.errors import SetupError
 from torch_handle.export import Decoding, export
 from torch_handle.hierarchical import summarize
+from torch_handle.model import CompiledDecode
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -231,6 +233,28 @@ def test_an_output_longer_than_the_model_context_is_refused_in_one_line(exported
 def test_asking_for_cuda_without_a_cuda_device_is_one_line(exported: Path) -> None:
     with pytest.raises(SetupError, match=r"^device='cuda', but this machine has no CUDA device: pass device='cpu'$"):
         torch_handle.load(exported, device="cuda")
+
+
+@pytest.mark.slow
+def test_compile_decodes_greedy_as_eager_decoding_does(exported: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # batches of 3 sorted by length: two source lengths at 3 rows, then one row (a step compiled per batch size)
+    steps: list[int] = []
+    step = CompiledDecode.__call__
+    monkeypatch.setattr(CompiledDecode, "__call__", lambda self, *args: steps.append(1) or step(self, *args))
+    eager, compiled = torch_handle.load(exported), torch_handle.load(exported, compile=True)
+    assert compiled.translate(SENTENCES, num_beams=1, batch_size=3) == eager.translate(
+        SENTENCES, num_beams=1, batch_size=3
+    )
+    assert len(steps) >= 3  # every batch's steps went through the compiled step
+    steps.clear()
+    assert compiled.translate(SENTENCES, batch_size=3) == eager.translate(SENTENCES, batch_size=3)  # beam search
+    assert not steps
+
+
+def test_compile_on_a_device_other_than_the_cpu_is_one_line(exported: Path) -> None:
+    loaded = torch_handle.load(exported)
+    with pytest.raises(SetupError, match=r"^compile=True compiles decoding on a CPU, but device='meta': leave compile"):
+        Model(loaded.model.to("meta"), loaded.tokenizer, loaded.decoding, compile=True)
 
 
 @pytest.mark.gpu

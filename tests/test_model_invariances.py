@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from torch_handle.model import BackendUnavailableError, ConfigError, Transformer, TransformerConfig
+from torch_handle.model import BackendUnavailableError, CompiledDecode, ConfigError, Transformer, TransformerConfig
 from torch_handle.model.generation import StaticDecoder, beam_search, generate, greedy_search
 from torch_handle.model.kernels import xformers_available
 from torch_handle.model.masks import MaskSpec
@@ -272,6 +272,36 @@ def test_static_greedy_equals_greedy_where_rows_finish_at_different_steps(positi
     assert torch.equal(generate(model, src, 12, cuda_graph=True), out)
 
 
+@pytest.mark.slow
+@torch.no_grad()
+def test_compiled_greedy_equals_greedy_for_new_source_lengths_and_batch_sizes() -> None:
+    # CompiledDecode (torch_handle.load(..., compile=True)): Inductor with the weights frozen in; a second source
+    # length turns that dimension dynamic, a new batch size compiles a step of its own. Rows end at different steps.
+    model = _model(attention_backend="sdpa", tie_embeddings=False)
+    src = torch.randint(3, VOCAB, (8, 11))
+    src[1, 7:] = PAD
+    src[5, 3:] = PAD
+    eos = model.lm_head.weight[EOS].clone()
+    for scale in (1, 1.25, 1.5, 2, 2.5, 3, 4, 6):
+        model.lm_head.weight[EOS] = eos * scale
+        if len(set((generate(model, src, 12) != PAD).sum(dim=1).tolist())) > 2:
+            break
+    else:
+        pytest.fail("no EOS scale makes rows end at different steps")
+    compiled = CompiledDecode(model)
+    for batch in (src, src[:, :9], src[:5], src):
+        assert torch.equal(generate(model, batch, 12, decode=compiled), generate(model, batch, 12)), batch.shape
+
+
+def test_compiled_decoding_refuses_weights_changed_after_it_was_made() -> None:
+    model = _model()
+    compiled = CompiledDecode(model)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2)  # what an optimizer step does: in place
+    with pytest.raises(RuntimeError, match=r"^the model's weights changed after its decoding was compiled"):
+        generate(model, _batch()[0], 4, decode=compiled)
+
+
 @torch.no_grad()
 def test_a_static_cache_refuses_to_reorder_its_rows() -> None:
     model = _model()
@@ -285,7 +315,7 @@ def test_a_static_cache_refuses_to_reorder_its_rows() -> None:
 
 def test_a_static_cache_past_max_len_is_refused() -> None:
     with pytest.raises(ValueError, match=r"^a cache of 65 positions exceeds max_len=64 of position='sinusoidal'"):
-        _model().new_cache(65, static=True)
+        _model().new_cache(65, torch.zeros(1, 4, dtype=torch.bool))
 
 
 class _PrefixCache:

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from torch_handle.model.config import TransformerConfig
 from torch_handle.model.kernels import decoding_kernels
-from torch_handle.model.transformer import Transformer
+from torch_handle.model.transformer import DecoderCache, Transformer
 
 
 def next_token_logits(logits: Tensor, pad_id: int, bos_id: int) -> Tensor:
@@ -23,6 +23,43 @@ def next_token_logits(logits: Tensor, pad_id: int, bos_id: int) -> Tensor:
     return logits
 
 
+class CompiledDecode:
+    """``model.decode`` compiled by Inductor with the weights frozen into it, for decoding on a CPU.
+
+    Freezing folds the weights into the compiled code as constants, packed once for MKL's matrix products: at
+    decoding's few rows per step those products are most of the time. Inductor's C++ wrapper calls the step's kernels
+    without Python in between. Greedy decoding of ``bench_peers``' model ran 1.2-1.4x faster on one CPU thread
+    (``benchmarks/RESULTS.md``). What it costs: the first call compiles (seconds), and so does the
+    first call with a new batch size, and once more the first time source lengths differ (they become dynamic).
+    Frozen weights cannot follow the model's: a call after any weight has changed raises instead of decoding
+    with the old ones. Only :class:`StaticDecoder`'s fixed-shape step uses it (greedy decoding).
+    """
+
+    def __init__(self, model: Transformer) -> None:
+        import torch._inductor.config
+
+        self._config = torch._inductor.config
+        self._parameters = list(model.parameters())
+        self._versions = self._current()
+        self._decode = torch.compile(model.decode)
+
+    def _current(self) -> list[tuple[int, int]]:
+        return [(p.data_ptr(), p._version) for p in self._parameters]
+
+    def __call__(self, token: Tensor, memory: Tensor, memory_padding: Tensor, cache: DecoderCache) -> Tensor:
+        if self._current() != self._versions:
+            raise RuntimeError(
+                "the model's weights changed after its decoding was compiled with them frozen in: compile it again "
+                "(a new CompiledDecode, or torch_handle.load(..., compile=True) again), or decode without compile"
+            )
+        # One compiled step per batch size: a batch dimension left to turn dynamic (as a second size would) cost
+        # most of the gain, measured, while source lengths may turn dynamic at no cost.
+        for tensor in (token, memory, memory_padding, *cache.batched()):
+            torch._dynamo.mark_static(tensor, 0)
+        with torch.no_grad(), self._config.patch(freezing=True, cpp_wrapper=True):
+            return self._decode(token, memory, memory_padding, cache)
+
+
 class StaticDecoder:
     """The decoder's one-token step over a static cache (:meth:`Transformer.new_cache`), replayed as a CUDA graph.
 
@@ -30,6 +67,7 @@ class StaticDecoder:
     most of the time; a graph launches the whole step at once. Capture needs fixed shapes and buffers, so rows
     never leave the batch. Off CUDA (or with ``graph=False``) the same static step runs eagerly. The model's
     weights must not change while a decoder is in use, and nothing in its forward pass may communicate.
+    ``decode`` replaces ``model.decode`` in the step: a :class:`CompiledDecode` on a CPU.
     """
 
     def __init__(
@@ -39,12 +77,14 @@ class StaticDecoder:
         memory_padding: Tensor,
         capacity: int,
         graph: bool,
+        decode: Callable[..., Tensor] | None = None,
     ) -> None:
-        self.cache = model.new_cache(capacity, static=True)
+        self.cache = model.new_cache(capacity, memory_padding)
         self.token = torch.full((memory.shape[0], 1), model.config.bos_id, dtype=torch.long, device=memory.device)
+        decode = model.decode if decode is None else decode
 
         def step() -> Tensor:
-            return model.decode(self.token, memory, memory_padding, self.cache)
+            return decode(self.token, memory, memory_padding, self.cache)
 
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: Tensor | None = None  # the graph's output buffer
@@ -87,19 +127,21 @@ def greedy_search(
     all_done: Callable[[bool], bool] = bool,
     memory: Tensor | None = None,
     cuda_graph: bool = False,
+    decode: CompiledDecode | None = None,
 ) -> Tensor:
     """Pick the most likely token at every step; stop once every row has produced EOS.
 
     A row that has produced EOS leaves the batch: the decoder computes only the rows still running.
     ``all_done`` turns this process's "finished" into everyone's (see :func:`generate`); a process done
     before the others keeps stepping its last rows, writing nothing. ``cuda_graph``: decode with a
-    :class:`StaticDecoder` instead, where finished rows keep stepping and write nothing.
+    :class:`StaticDecoder` instead, where finished rows keep stepping and write nothing; ``decode``: the same, its
+    step compiled (:class:`CompiledDecode`).
     """
     c = model.config
     memory = model.encode(src) if memory is None else memory
     memory_padding = model.memory_padding(src)
-    if cuda_graph:
-        step = StaticDecoder(model, memory, memory_padding, max_new_tokens, graph=True)
+    if cuda_graph or decode is not None:
+        step = StaticDecoder(model, memory, memory_padding, max_new_tokens, graph=cuda_graph, decode=decode)
         return _static_greedy(step, model.config, max_new_tokens, all_done)
     cache = model.new_cache(max_new_tokens)
     out = torch.full((src.shape[0], max_new_tokens), c.pad_id, dtype=torch.long, device=src.device)
@@ -234,6 +276,7 @@ def generate(
     all_done: Callable[[bool], bool] = bool,
     memory: Tensor | None = None,
     cuda_graph: bool = False,
+    decode: CompiledDecode | None = None,
 ) -> Tensor:
     """Generated ids ``(B, L)`` without BOS, ``pad_id`` after EOS.
 
@@ -243,7 +286,8 @@ def generate(
     (ZeRO-3 and FSDP gather parameters in them), processes that finish early must keep stepping in
     lockstep until all have finished, so the caller passes a reduction over processes here.
     ``cuda_graph``: greedy decoding replays each step as a CUDA graph (:class:`StaticDecoder`); only where the
-    model is a plain module (no sharded parameters gathered in its forward pass). Beam search ignores it.
+    model is a plain module (no sharded parameters gathered in its forward pass). ``decode``: greedy decoding runs
+    that compiled step instead (a :class:`CompiledDecode` of ``model``, for CPU inference). Beam search ignores both.
     Attention runs on SDPA's kernels other than cuDNN's (:func:`~torch_handle.model.kernels.decoding_kernels`).
     """
     if max_new_tokens < 1:
@@ -252,5 +296,5 @@ def generate(
         raise ValueError(f"num_beams must be >= 1, got {num_beams}")
     with decoding_kernels():
         if num_beams == 1:
-            return greedy_search(model, src, max_new_tokens, all_done, memory, cuda_graph)
+            return greedy_search(model, src, max_new_tokens, all_done, memory, cuda_graph, decode)
         return beam_search(model, src, max_new_tokens, num_beams, length_penalty, all_done, memory)

@@ -47,7 +47,7 @@ class DecoderCache:
         self.capacity = capacity
         self.length = 0
         self.position = position
-        self.cross_spec: MaskSpec | None = None  # a static cache's cross-attention mask, built at its first step
+        self.cross_spec: MaskSpec | None = None  # a static cache's cross-attention mask
         self.rope: tuple[Tensor, Tensor] | None = None  # a static cache's RoPE angles for every position
 
     def select(self, index: Tensor) -> None:
@@ -61,6 +61,10 @@ class DecoderCache:
             self_cache.select(index)
             if resized:
                 cross_cache.select(index)
+
+    def batched(self) -> list[Tensor]:
+        """The tensors it holds whose first dimension is the batch: every layer's keys and values."""
+        return [t for pair in self.layers for kv in pair for t in (kv.k, kv.v) if t is not None]
 
     @property
     def rows(self) -> int | None:
@@ -259,14 +263,15 @@ class Transformer(nn.Module):
         counts = keep.view(b, -1, r).sum(dim=2, keepdim=True).clamp(min=1)
         return sums / counts
 
-    def new_cache(self, capacity: int, static: bool = False) -> DecoderCache:
+    def new_cache(self, capacity: int, memory_padding: Tensor | None = None) -> DecoderCache:
         """An empty cache for decoding up to ``capacity`` target positions, one token per step.
 
-        ``static``: every step attends over the whole capacity (the positions not yet written masked) and reads its
-        position from a tensor, with no host synchronisation after the first step; a CUDA graph can then capture a
-        step and replay it (:class:`torch_handle.model.generation.StaticDecoder`).
+        With the source's ``memory_padding`` the cache is static: every step attends over the whole capacity (the
+        positions not yet written masked) and reads its position from a tensor, with no host synchronisation (the
+        one for the padding happens here); a CUDA graph can then capture a step and replay it, and ``torch.compile``
+        compile it whole (:class:`torch_handle.model.generation.StaticDecoder`).
         """
-        if not static:
+        if memory_padding is None:
             return DecoderCache(len(self.decoder_layers), capacity)
         c = self.config
         if c.position in ("sinusoidal", "learned") and capacity > c.max_len:
@@ -277,6 +282,7 @@ class Transformer(nn.Module):
         device = self.tgt_embed.weight.device
         cache = DecoderCache(len(self.decoder_layers), capacity, torch.zeros(1, dtype=torch.long, device=device))
         cache.rope = self._rope(0, capacity, device)
+        cache.cross_spec = MaskSpec(key_padding=_any_padding(memory_padding))
         return cache
 
     def decode(
@@ -294,7 +300,7 @@ class Transformer(nn.Module):
         keeps the logits of those positions only.
         """
         if cache is not None and cache.position is not None:
-            return self._decode_static(tgt, memory, memory_padding, cache)
+            return self._decode_static(tgt, memory, cache)
         offset = 0 if cache is None else cache.length
         x = self.embed_target(tgt, offset)
         context = self.decoder_context(tgt, memory_padding, offset, cached=cache is not None)
@@ -305,21 +311,19 @@ class Transformer(nn.Module):
         cache.length += tgt.shape[1]
         return self.logits(x)
 
-    def _decode_static(self, tgt: Tensor, memory: Tensor, memory_padding: Tensor, cache: DecoderCache) -> Tensor:
+    def _decode_static(self, tgt: Tensor, memory: Tensor, cache: DecoderCache) -> Tensor:
         """:meth:`decode` of one token over a static cache: the keys past the position are masked as padding."""
         if tgt.shape[1] != 1:
             raise ValueError(f"a static cache decodes one token per step, got {tgt.shape[1]}")
-        position = cache.position
-        assert position is not None
-        if cache.cross_spec is None:  # the one host synchronisation, at the first step
-            cache.cross_spec = MaskSpec(key_padding=_any_padding(memory_padding))
+        position, cross_spec = cache.position, cache.cross_spec
+        assert position is not None and cross_spec is not None
         keys = torch.arange(cache.capacity, device=tgt.device)
         future = (keys > position).expand(tgt.shape[0], -1)
         self_spec = MaskSpec(key_padding=future, alibi=self._slopes, q_offset=position.squeeze(0))  # 0-d, as an int
         rope = None if cache.rope is None else (cache.rope[0][position], cache.rope[1][position])
         x = self.embed_target(tgt, position)
         for i, layer in enumerate(self.decoder_layers):
-            x = layer(x, memory, self_spec, cache.cross_spec, rope, cache.layers[i], cache.capacity)
+            x = layer(x, memory, self_spec, cross_spec, rope, cache.layers[i], cache.capacity)
         position.add_(1)
         return self.logits(x)
 
