@@ -300,6 +300,8 @@ def test_compiled_decoding_refuses_weights_changed_after_it_was_made() -> None:
         model.lm_head.weight.mul_(2)  # what an optimizer step does: in place
     with pytest.raises(RuntimeError, match=r"^the model's weights changed after its decoding was compiled"):
         generate(model, _batch()[0], 4, decode=compiled)
+    with pytest.raises(ValueError, match=r"^decode is a CompiledDecode of another model: make one of the model"):
+        generate(_model(), _batch()[0], 4, decode=compiled)
 
 
 @torch.no_grad()

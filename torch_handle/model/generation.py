@@ -39,6 +39,7 @@ class CompiledDecode:
         import torch._inductor.config
 
         self._config = torch._inductor.config
+        self.model = model
         self._parameters = list(model.parameters())
         self._versions = self._current()
         self._decode = torch.compile(model.decode)
@@ -140,6 +141,8 @@ def greedy_search(
     c = model.config
     memory = model.encode(src) if memory is None else memory
     memory_padding = model.memory_padding(src)
+    if decode is not None and decode.model is not model:
+        raise ValueError("decode is a CompiledDecode of another model: make one of the model that decodes")
     if cuda_graph or decode is not None:
         step = StaticDecoder(model, memory, memory_padding, max_new_tokens, graph=cuda_graph, decode=decode)
         return _static_greedy(step, model.config, max_new_tokens, all_done)
