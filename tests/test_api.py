@@ -237,18 +237,27 @@ def test_asking_for_cuda_without_a_cuda_device_is_one_line(exported: Path) -> No
 
 @pytest.mark.slow
 def test_compile_decodes_greedy_as_eager_decoding_does(exported: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # batches of 3 sorted by length: two source lengths at 3 rows, then one row (a step compiled per batch size)
-    steps: list[int] = []
+    steps: list[tuple[int, int]] = []  # (the decoding call's cache, its batch size) at every compiled step
     step = CompiledDecode.__call__
-    monkeypatch.setattr(CompiledDecode, "__call__", lambda self, *args: steps.append(1) or step(self, *args))
-    eager, compiled = torch_handle.load(exported), torch_handle.load(exported, compile=True)
-    assert compiled.translate(SENTENCES, num_beams=1, batch_size=3) == eager.translate(
-        SENTENCES, num_beams=1, batch_size=3
+    monkeypatch.setattr(
+        CompiledDecode,
+        "__call__",
+        lambda self, token, *rest: steps.append((id(rest[-1]), len(token))) or step(self, token, *rest),
     )
-    assert len(steps) >= 3  # every batch's steps went through the compiled step
+    eager, compiled = torch_handle.load(exported), torch_handle.load(exported, compile=True)
+    # Batches of 3 sorted by length, the last of one sentence, filled to 3 rows: one batch size to compile for.
+    greedy = eager.translate(SENTENCES, num_beams=1, batch_size=3)
+    assert compiled.translate(SENTENCES, num_beams=1, batch_size=3) == greedy
+    assert len({cache for cache, _ in steps}) == 3 and {rows for _, rows in steps} == {3}, steps
     steps.clear()
     assert compiled.translate(SENTENCES, batch_size=3) == eager.translate(SENTENCES, batch_size=3)  # beam search
     assert not steps
+    # A long document: windows in batches of 2, the last filled; then the summary of their summaries, one row.
+    document = " ".join(SENTENCES * 8)
+    assert compiled.summarize(document, num_beams=1, batch_size=2) == eager.summarize(
+        document, num_beams=1, batch_size=2
+    )
+    assert {rows for _, rows in steps} == {2}, steps
 
 
 def test_compile_on_a_device_other_than_the_cpu_is_one_line(exported: Path) -> None:

@@ -302,6 +302,10 @@ def test_compiled_decoding_refuses_weights_changed_after_it_was_made() -> None:
         generate(model, _batch()[0], 4, decode=compiled)
     with pytest.raises(ValueError, match=r"^decode is a CompiledDecode of another model: make one of the model"):
         generate(_model(), _batch()[0], 4, decode=compiled)
+    with pytest.raises(
+        ValueError, match=r"^CompiledDecode compiles decoding on a CPU: on a GPU, decode with cuda_graph"
+    ):
+        CompiledDecode(_model().to("meta"))
 
 
 @torch.no_grad()

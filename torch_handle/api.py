@@ -131,10 +131,10 @@ class Model:
             **({} if overlap is None else {"overlap": overlap}),
         }
         for i in (i for i, row in enumerate(ids) if len(row) > limit):
+            generate_fn = self._generate_fn(options, pad_to=batch_size)  # windows, then their summaries
             out[i] = summarize(
-                self.model, self.tokenizer, documents[i], batch_size=batch_size, generate_fn=self._generate_fn(options),
-                **options,
-            )  # fmt: skip
+                self.model, self.tokenizer, documents[i], batch_size=batch_size, generate_fn=generate_fn, **options
+            )
         return out[0] if single else out
 
     def _options(
@@ -168,17 +168,30 @@ class Model:
         options = self._options(num_beams, max_new_tokens, length_penalty)
         if not sources:
             return []
-        generate_fn = self._generate_fn(options)
+        generate_fn = self._generate_fn(options, pad_to=batch_size if len(sources) > batch_size else None)
         return generate_summaries(
             self.model, self.tokenizer, sources, batch_size=batch_size, generate_fn=generate_fn, **options
         )
 
-    def _generate_fn(self, options: dict[str, int | float]) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """``generate`` with the compiled step where it applies (greedy, ``compile=True``); None: the default."""
+    def _generate_fn(
+        self, options: dict[str, int | float], pad_to: int | None
+    ) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """``generate`` with the compiled step where it applies (greedy, ``compile=True``); None: the default.
+
+        A batch of fewer than ``pad_to`` rows (a job's last) is filled with copies of its last row, whose outputs are
+        dropped: every batch size compiles a step of its own (seconds), and a job then meets one size only.
+        """
         if self._decode is None or options["num_beams"] != 1:
             return None
         decode, max_new_tokens = self._decode, int(options["max_new_tokens"])
-        return lambda src: generate(self.model, src, max_new_tokens, decode=decode)
+
+        def generate_fn(src: torch.Tensor) -> torch.Tensor:
+            rows = src.shape[0]
+            if pad_to is not None and rows < pad_to:
+                src = torch.cat([src, src[-1:].expand(pad_to - rows, -1)])
+            return generate(self.model, src, max_new_tokens, decode=decode)[:rows]
+
+        return generate_fn
 
 
 def load(

@@ -28,19 +28,30 @@ class CompiledDecode:
 
     Freezing folds the weights into the compiled code as constants, packed once for MKL's matrix products: at
     decoding's few rows per step those products are most of the time. Inductor's C++ wrapper calls the step's kernels
-    without Python in between. Greedy decoding of ``bench_peers``' model ran 1.2-1.4x faster on one CPU thread
-    (``benchmarks/RESULTS.md``). What it costs: the first call compiles (seconds), and so does the
-    first call with a new batch size, and once more the first time source lengths differ (they become dynamic).
-    Frozen weights cannot follow the model's: a call after any weight has changed raises instead of decoding
-    with the old ones. Only :class:`StaticDecoder`'s fixed-shape step uses it (greedy decoding).
+    without Python in between. Greedy decoding of ``bench_peers``' model, every sentence running to the cache's full
+    length, ran 1.2-1.4x faster on one CPU thread (``benchmarks/RESULTS.md``); the static step keeps finished rows
+    and attends over every cached position, so batches whose sentences end early gain less.
+
+    What it costs: each batch size compiles two steps (the first, which fills the cache, and the rest; seconds each),
+    and the first source length that differs turns that dimension dynamic, once more. Up to 32 compiled steps are
+    kept (torch's default keeps 8, then decodes eagerly). Frozen weights cannot follow the model's: a call after a
+    parameter or buffer changed in place raises instead of decoding with the old ones (a change made through
+    ``.data`` escapes the check). It changes Inductor's settings for the duration of each call: one thread at a time.
+    Only :class:`StaticDecoder`'s fixed-shape step uses it (greedy decoding).
     """
 
     def __init__(self, model: Transformer) -> None:
+        import torch._dynamo.config
         import torch._inductor.config
 
-        self._config = torch._inductor.config
+        if any(p.device.type != "cpu" for p in model.parameters()):
+            raise ValueError("CompiledDecode compiles decoding on a CPU: on a GPU, decode with cuda_graph=True")
+        self._settings = (
+            torch._inductor.config.patch(freezing=True, cpp_wrapper=True),
+            torch._dynamo.config.patch(recompile_limit=32),
+        )
         self.model = model
-        self._parameters = list(model.parameters())
+        self._parameters = [*model.parameters(), *model.buffers()]
         self._versions = self._current()
         self._decode = torch.compile(model.decode)
 
@@ -57,7 +68,7 @@ class CompiledDecode:
         # most of the gain, measured, while source lengths may turn dynamic at no cost.
         for tensor in (token, memory, memory_padding, *cache.batched()):
             torch._dynamo.mark_static(tensor, 0)
-        with torch.no_grad(), self._config.patch(freezing=True, cpp_wrapper=True):
+        with torch.no_grad(), self._settings[0], self._settings[1]:
             return self._decode(token, memory, memory_padding, cache)
 
 

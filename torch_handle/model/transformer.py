@@ -296,7 +296,8 @@ class Transformer(nn.Module):
         """Logits ``(B, T, V)`` for decoder inputs ``tgt (B, T)`` over ``memory``.
 
         With a ``cache``, ``tgt`` holds only the new tokens; their positions continue the cached ones, and
-        cross-attention keys and values are computed once and kept. Without one, ``targets`` (see :meth:`logits`)
+        cross-attention keys and values are computed once and kept (a static cache holds the source's padding mask
+        from :meth:`new_cache`, and ``memory_padding`` goes unread). Without one, ``targets`` (see :meth:`logits`)
         keeps the logits of those positions only.
         """
         if cache is not None and cache.position is not None:
