@@ -322,10 +322,10 @@ def _decode_child(impl: str, s: Sizes, repeats: int, threads: int, folder: Path 
 
     figures: dict[str, Any] = {"agreement": agreement}
     modes = [("greedy", 1, {}), ("beam", s.beams, {})]
-    if impl == "ours" and device == "cpu":  # torch_handle.load(..., compile=True): greedy only, CPU only
-        modes.append(("greedy_compiled", 1, {"compiled": True}))
+    if impl == "ours" and device == "cpu":  # torch_handle.load(..., compile=True): CPU only
+        modes += [("greedy_compiled", 1, {"compiled": True}), ("beam_compiled", s.beams, {"compiled": True})]
     for name, beams, options in modes:
-        if options:  # the peak of eager decoding, before compiling's own memory
+        if options and "peak" not in figures:  # the peak of eager decoding, before compiling's own memory
             figures["peak"] = common.peak_rss_bytes()
         start = time.perf_counter()
         sentences = decode(beams, **options)
@@ -334,7 +334,7 @@ def _decode_child(impl: str, s: Sizes, repeats: int, threads: int, folder: Path 
         assert len(sentences) == s.sources and lengths == [s.new_tokens], f"{impl} {name}: lengths {lengths}"
         assert all(EOS not in row for row in sentences), f"{impl} {name}: EOS before the forced length"
         if options:
-            assert sentences == decode(1), f"{impl} {name}: not the eager greedy sentences"
+            assert sentences == decode(beams), f"{impl} {name}: not the eager sentences"
         wall, cpu = common.median_wall_and_cpu(lambda b=beams, o=options: decode(b, **o), repeats, warmup=1)
         figures[name] = {"wall": wall, "cpu": cpu, "length": lengths[0], "first": first}
     return {"peak": common.peak_rss_bytes() if impl.startswith("ct2") else _peak_bytes(device)} | figures
@@ -342,7 +342,7 @@ def _decode_child(impl: str, s: Sizes, repeats: int, threads: int, folder: Path 
 
 def _torch_decoder(impl: str, s: Sizes, src: Any, device: str) -> Callable[..., list[list[int]]]:  # noqa: ANN401
     """``decode(num_beams)`` -> the generated ids of each sentence, for ours or a Hugging Face model (its
-    ``tolist`` waits for the device); ours also takes ``compiled=True`` (greedy over a :class:`CompiledDecode`)."""
+    ``tolist`` waits for the device); ours also takes ``compiled=True`` (over a :class:`CompiledDecode`)."""
     import torch
 
     if impl == "ours":
@@ -452,10 +452,13 @@ def _run_all(args: argparse.Namespace) -> tuple[dict[str, dict[str, list[dict]]]
                     if task == "train":
                         log.info("train %s: median step %.0f ms", impl, 1e3 * statistics.median(run["wall"]))
                     else:
-                        compiled = run.get("greedy_compiled")
+                        compiled = ""
+                        if "greedy_compiled" in run:
+                            greedy, beam = run["greedy_compiled"]["wall"], run["beam_compiled"]["wall"]
+                            compiled = f", compiled: greedy {greedy:.3f} s, beam {beam:.3f} s"
                         log.info(
                             "decode %s: greedy %.3f s, beam %.3f s%s", impl, run["greedy"]["wall"], run["beam"]["wall"],
-                            f", greedy compiled {compiled['wall']:.3f} s" if compiled else "",
+                            compiled,
                         )  # fmt: skip
                     runs[task][impl].append(run)
     return runs, machine
@@ -510,14 +513,20 @@ def _table(runs: dict[str, dict[str, list[dict]]], s: Sizes, device: str) -> tup
         label = f"{label} decoding, sentences/s (wall), {s.sources} x {s.source_len} tokens in"
         rows.append(row(label, {i: f"{v:.1f}" for i, v in speed.items()}, speed, goal))
     if "greedy_compiled" in decode["ours"][0]:
-        speed = {i: s.sources / _pooled(decode[i], "greedy", "wall") for i in impls}
-        speed["ours"] = s.sources / _pooled(decode["ours"], "greedy_compiled", "wall")
-        goal = _goal(speed["ours"] / speed["bart"], ">=", 1.5, "BART") + "; "
-        goal += _goal(speed["ours"] / speed["ct2-fp32"], ">=", 0.8, "CT2 fp32")
-        label = "ours compiled (`load(..., compile=True)`): greedy decoding, sentences/s (wall); peers as above"
-        rows.append(row(label, {"ours": f"{speed['ours']:.1f}"}, speed, goal))
-        first = max(run["greedy_compiled"]["first"] for run in decode["ours"])
-        rows.append(row("ours compiled: its first call, compiling included (s)", {"ours": f"{first:.1f}"}))
+        for name, label in (("greedy", "greedy"), ("beam", f"beam {s.beams}")):
+            speed = {i: s.sources / _pooled(decode[i], name, "wall") for i in impls}
+            speed["ours"] = s.sources / _pooled(decode["ours"], f"{name}_compiled", "wall")
+            goal = _goal(speed["ours"] / speed["bart"], ">=", 1.5, "BART") + "; "
+            goal += _goal(speed["ours"] / speed["ct2-fp32"], ">=", 0.8, "CT2 fp32")
+            label = f"ours compiled (`load(..., compile=True)`): {label} decoding, sentences/s (wall); peers as above"
+            rows.append(row(label, {"ours": f"{speed['ours']:.1f}"}, speed, goal))
+        first = {name: max(run[f"{name}_compiled"]["first"] for run in decode["ours"]) for name in ("greedy", "beam")}
+        rows.append(
+            row(
+                "ours compiled: its first call, compiling included, greedy / beam (s)",
+                {"ours": f"{first['greedy']:.1f} / {first['beam']:.1f}"},
+            )
+        )
     lengths = {i: {f"{run['greedy']['length']} / {run['beam']['length']}" for run in decode[i]} for i in impls}
     rows.append(
         row("tokens generated per sentence, greedy / beam", {i: " or ".join(sorted(v)) for i, v in lengths.items()})
@@ -550,7 +559,7 @@ def _description(args: argparse.Namespace, s: Sizes) -> str:
         'CTranslate2 decodes our model\'s weights (the "identical" row compares its greedy sentences with ours). '
         "Peak RSS is the child's high-water mark with what it imported: torch for ours, torch and transformers for "
         "HF; the CTranslate2 children import no torch (the export was written by a child of its own beforehand). "
-        "Ours is read before its compiled greedy run, whose compiling holds memory of its own."
+        "Ours is read before its compiled runs, whose compiling holds memory of its own."
         if cpu
         else "Peak GPU memory is `torch.cuda.max_memory_allocated` in each child; the device is synchronised "
         "around each timed training step, and decoding's `tolist` waits for it."

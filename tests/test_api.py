@@ -236,7 +236,7 @@ def test_asking_for_cuda_without_a_cuda_device_is_one_line(exported: Path) -> No
 
 
 @pytest.mark.slow
-def test_compile_decodes_greedy_as_eager_decoding_does(exported: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_compile_decodes_greedy_and_beam_search_as_eager_decoding_does(exported: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     steps: list[tuple[int, int]] = []  # (the decoding call's cache, its batch size) at every compiled step
     step = CompiledDecode.__call__
     monkeypatch.setattr(
@@ -250,8 +250,10 @@ def test_compile_decodes_greedy_as_eager_decoding_does(exported: Path, monkeypat
     assert compiled.translate(SENTENCES, num_beams=1, batch_size=3) == greedy
     assert len({cache for cache, _ in steps}) == 3 and {rows for _, rows in steps} == {3}, steps
     steps.clear()
-    assert compiled.translate(SENTENCES, batch_size=3) == eager.translate(SENTENCES, batch_size=3)  # beam search
-    assert not steps
+    beams = compiled.decoding.num_beams
+    assert beams > 1 and compiled.translate(SENTENCES, batch_size=3) == eager.translate(SENTENCES, batch_size=3)
+    assert len({cache for cache, _ in steps}) == 3 and {rows for _, rows in steps} == {3 * beams}, steps
+    steps.clear()
     # A long document: windows in batches of 2, the last filled; then the summary of their summaries, one row.
     document = " ".join(SENTENCES * 8)
     assert compiled.summarize(document, num_beams=1, batch_size=2) == eager.summarize(

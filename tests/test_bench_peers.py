@@ -43,11 +43,13 @@ def test_dry_run_measures_every_implementation_at_the_forced_length() -> None:
         assert float(row["ours / HF BART"]) > 0 and float(row["ours / CT2 fp32"]) > 0, row
         assert row["goal"].startswith(">= 1.5x BART: "), row
     assert _row(table, "training step, median wall")["goal"].startswith("<= 0.9x BART: ")
-    # Greedy through CompiledDecode (the child asserts its sentences equal eager greedy's), with its compiling time.
-    compiled = _row(table, "ours compiled (`load(..., compile=True)`): greedy decoding")
-    assert float(compiled["ours"]) > 0 and float(compiled["ours / CT2 fp32"]) > 0, compiled
-    assert compiled["goal"].startswith(">= 1.5x BART: "), compiled
-    assert float(_row(table, "ours compiled: its first call")["ours"]) > 0
+    # Greedy and beam through CompiledDecode (the child asserts their sentences equal eager's), with compiling times.
+    for label in ("greedy decoding", "beam 5 decoding"):
+        compiled = _row(table, f"ours compiled (`load(..., compile=True)`): {label}")
+        assert float(compiled["ours"]) > 0 and float(compiled["ours / CT2 fp32"]) > 0, compiled
+        assert compiled["goal"].startswith(">= 1.5x BART: "), compiled
+    first = _row(table, "ours compiled: its first call")["ours"].split(" / ")
+    assert len(first) == 2 and all(float(f) > 0 for f in first), first
     # The dry run forces 6 new tokens: every implementation generated exactly that many in every sentence.
     lengths = _row(table, "tokens generated per sentence, greedy / beam")
     assert [lengths[impl] for impl in IMPLS] == ["6 / 6"] * 5, lengths

@@ -278,16 +278,7 @@ def test_compiled_greedy_equals_greedy_for_new_source_lengths_and_batch_sizes() 
     # CompiledDecode (torch_handle.load(..., compile=True)): Inductor with the weights frozen in; a second source
     # length turns that dimension dynamic, a new batch size compiles a step of its own. Rows end at different steps.
     model = _model(attention_backend="sdpa", tie_embeddings=False)
-    src = torch.randint(3, VOCAB, (8, 11))
-    src[1, 7:] = PAD
-    src[5, 3:] = PAD
-    eos = model.lm_head.weight[EOS].clone()
-    for scale in (1, 1.25, 1.5, 2, 2.5, 3, 4, 6):
-        model.lm_head.weight[EOS] = eos * scale
-        if len(set((generate(model, src, 12) != PAD).sum(dim=1).tolist())) > 2:
-            break
-    else:
-        pytest.fail("no EOS scale makes rows end at different steps")
+    src = _sources_ending_apart(model, 1, 12)
     compiled = CompiledDecode(model)
     for batch in (src, src[:, :9], src[:5], src):
         assert torch.equal(generate(model, batch, 12, decode=compiled), generate(model, batch, 12)), batch.shape
@@ -308,15 +299,73 @@ def test_compiled_decoding_refuses_weights_changed_after_it_was_made() -> None:
         CompiledDecode(_model().to("meta"))
 
 
+class _EagerStep:
+    """:class:`CompiledDecode`'s interface, its step run eagerly: the static-cache search without compiling."""
+
+    def __init__(self, model: Transformer) -> None:
+        self.model = model
+
+    def __call__(self, *args: Any) -> Tensor:
+        return self.model.decode(*args)
+
+
+def _sources_ending_apart(model: Transformer, num_beams: int, steps: int) -> Tensor:
+    """Sources (two of them padded) that ``model``, its EOS made likelier, ends at more than two different steps."""
+    src = torch.randint(3, VOCAB, (8, 11))
+    src[1, 7:] = PAD
+    src[5, 3:] = PAD
+    eos = model.lm_head.weight[EOS].clone()
+    for scale in (1, 1.25, 1.5, 2, 2.5, 3, 4, 6):
+        model.lm_head.weight[EOS] = eos * scale
+        if len(set((generate(model, src, steps, num_beams) != PAD).sum(dim=1).tolist())) > 2:
+            return src
+    pytest.fail(f"no EOS scale makes sources end at different steps with {num_beams} beams")
+
+
+@pytest.mark.parametrize("num_beams", [2, 4])
 @torch.no_grad()
-def test_a_static_cache_refuses_to_reorder_its_rows() -> None:
+def test_static_beam_search_equals_beam_search_where_sources_finish_at_different_steps(num_beams: int) -> None:
+    # With ``decode`` (a CompiledDecode) beam search runs over a static cache reordered in place, and the beams of
+    # finished sources keep stepping: the outputs must be the dynamic cache's, whose finished sources leave.
+    model = _model(attention_backend="sdpa", tie_embeddings=False)
+    src = _sources_ending_apart(model, num_beams, 12)
+    for length_penalty in (0.0, 1.0):
+        expected = generate(model, src, 12, num_beams, length_penalty)
+        assert torch.equal(generate(model, src, 12, num_beams, length_penalty, decode=_EagerStep(model)), expected)
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_compiled_beam_search_equals_beam_search_for_new_source_lengths_and_batch_sizes() -> None:
+    model = _model(attention_backend="sdpa", tie_embeddings=False)
+    src = _sources_ending_apart(model, 3, 12)
+    compiled = CompiledDecode(model)
+    for batch in (src, src[:, :9], src[:5]):
+        expected = generate(model, batch, 12, 3)
+        assert torch.equal(generate(model, batch, 12, 3, decode=compiled), expected), batch.shape
+
+
+@torch.no_grad()
+def test_a_static_cache_reorders_in_place_and_refuses_to_resize() -> None:
     model = _model()
     src, _ = _batch()
     memory, padding = model.encode(src), model.memory_padding(src)
     static = StaticDecoder(model, memory, padding, 4, graph=False)
-    static(torch.full((src.shape[0], 1), BOS))
-    with pytest.raises(ValueError, match=r"^a static cache keeps its rows and their order"):
-        static.cache.select(torch.tensor([1, 0, 2]))
+    dynamic = model.new_cache(4)
+    tokens = torch.randint(3, VOCAB, (src.shape[0], 3))
+    for step in range(2):
+        static(tokens[:, step : step + 1])
+        model.decode(tokens[:, step : step + 1], memory, padding, dynamic)
+    buffers = [t.data_ptr() for t in static.cache.batched()]
+    index = torch.tensor([2, 0, 2])
+    static.cache.select(index, filled=2)
+    dynamic.select(index)
+    assert [t.data_ptr() for t in static.cache.batched()] == buffers  # the compiled step's inputs stay put
+    torch.testing.assert_close(static(tokens[:, 2:]), model.decode(tokens[:, 2:], memory, padding, dynamic))
+    with pytest.raises(ValueError, match=r"^a static cache keeps its rows: reorder them, or decode with a dynamic"):
+        static.cache.select(torch.tensor([1, 0]), filled=3)
+    with pytest.raises(ValueError, match=r"^a static cache counts its positions on the device: pass the number"):
+        static.cache.select(index)
 
 
 def test_a_static_cache_past_max_len_is_refused() -> None:
@@ -333,7 +382,7 @@ class _PrefixCache:
     def extend(self, tokens: list[int]) -> None:
         self.prefixes = [p + (t,) for p, t in zip(self.prefixes or [()] * len(tokens), tokens, strict=True)]
 
-    def select(self, index: Tensor) -> None:
+    def select(self, index: Tensor, filled: int | None = None) -> None:
         self.prefixes = [self.prefixes[i] for i in index.tolist()]
 
 

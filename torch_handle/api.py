@@ -45,7 +45,7 @@ class Model:
         model: The Transformer, on the device to decode on.
         tokenizer: The tokenizer it was trained with.
         decoding: Its decoding defaults and source length.
-        compile: Greedy decoding on a CPU runs a compiled step with the weights frozen in
+        compile: Decoding on a CPU runs a compiled step with the weights frozen in
             (:class:`~torch_handle.model.CompiledDecode`): faster once compiled, for models that no longer train.
     """
 
@@ -176,20 +176,21 @@ class Model:
     def _generate_fn(
         self, options: dict[str, int | float], pad_to: int | None
     ) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """``generate`` with the compiled step where it applies (greedy, ``compile=True``); None: the default.
+        """``generate`` with the compiled step (``compile=True``); None: the default.
 
         A batch of fewer than ``pad_to`` rows (a job's last) is filled with copies of its last row, whose outputs are
         dropped: every batch size compiles a step of its own (seconds), and a job then meets one size only.
         """
-        if self._decode is None or options["num_beams"] != 1:
+        if self._decode is None:
             return None
         decode, max_new_tokens = self._decode, int(options["max_new_tokens"])
+        num_beams, length_penalty = int(options["num_beams"]), float(options["length_penalty"])
 
         def generate_fn(src: torch.Tensor) -> torch.Tensor:
             rows = src.shape[0]
             if pad_to is not None and rows < pad_to:
                 src = torch.cat([src, src[-1:].expand(pad_to - rows, -1)])
-            return generate(self.model, src, max_new_tokens, decode=decode)[:rows]
+            return generate(self.model, src, max_new_tokens, num_beams, length_penalty, decode=decode)[:rows]
 
         return generate_fn
 
@@ -204,9 +205,9 @@ def load(
             folder (``--trainer.default_root_dir``: its ``checkpoints/last.ckpt`` is loaded).
         device: Where to decode: ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ...
         attention_backend: The attention kernel on this machine (``auto`` picks one).
-        compile: On a CPU, greedy decoding (``num_beams=1``) runs a step compiled by ``torch.compile`` with the
-            weights frozen in: 1.2-1.4x faster on ``bench_peers``' model, after a first call that compiles (seconds;
-            again for a new batch size, and once when source lengths vary). Beam search is unchanged.
+        compile: On a CPU, greedy and beam-search decoding run a step compiled by ``torch.compile`` with the
+            weights frozen in: faster on ``bench_peers``' model (``benchmarks/RESULTS.md``), after a first call that
+            compiles (seconds; again for a new batch size, and once when source lengths vary).
 
     Raises:
         CheckpointError: ``path`` is missing, damaged, or not a model; the message names the file and the fix.

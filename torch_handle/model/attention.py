@@ -46,22 +46,27 @@ class KVCache:
         self.length = end
         return self.k[:, :, :end], self.v[:, :, :end]
 
-    def select(self, index: Tensor) -> None:
+    def select(self, index: Tensor, filled: int | None = None) -> None:
         """Row ``i`` becomes row ``index[i]`` of before: beam search's reorder, or finished rows dropping out.
 
         Most beams continue their own prefix, so a reorder copies only the rows that change, and only their
-        filled positions, in place; a shrinking batch copies the rest into a smaller cache.
+        filled positions, in place; a shrinking batch copies the rest into a smaller cache. A static cache keeps
+        its rows and buffers (a compiled step or a CUDA graph reads them): it reorders in place only, and since it
+        counts positions on the device, the caller says how many are ``filled``.
         """
-        if self.position is not None:
-            raise ValueError("a static cache keeps its rows and their order: decode with a dynamic cache to reorder")
         if self.k is None or self.v is None:
             return
         if index.shape[0] != self.k.shape[0]:
+            if self.position is not None:
+                raise ValueError("a static cache keeps its rows: reorder them, or decode with a dynamic cache")
             self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
             return
+        if self.position is not None and filled is None:
+            raise ValueError("a static cache counts its positions on the device: pass the number filled")
+        end = self.length if self.position is None else filled
         moved = (index != torch.arange(index.shape[0], device=index.device)).nonzero().squeeze(1)
         if moved.numel():
-            source, end = index[moved], self.length
+            source = index[moved]
             self.k[moved, :, :end] = self.k[source, :, :end]
             self.v[moved, :, :end] = self.v[source, :, :end]
 

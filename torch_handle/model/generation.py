@@ -132,6 +132,11 @@ class StaticDecoder:
         return self.logits
 
 
+def _check_owner(decode: CompiledDecode, model: Transformer) -> None:
+    if decode.model is not model:
+        raise ValueError("decode is a CompiledDecode of another model: make one of the model that decodes")
+
+
 def greedy_search(
     model: Transformer,
     src: Tensor,
@@ -152,8 +157,8 @@ def greedy_search(
     c = model.config
     memory = model.encode(src) if memory is None else memory
     memory_padding = model.memory_padding(src)
-    if decode is not None and decode.model is not model:
-        raise ValueError("decode is a CompiledDecode of another model: make one of the model that decodes")
+    if decode is not None:
+        _check_owner(decode, model)
     if cuda_graph or decode is not None:
         step = StaticDecoder(model, memory, memory_padding, max_new_tokens, graph=cuda_graph, decode=decode)
         return _static_greedy(step, model.config, max_new_tokens, all_done)
@@ -201,17 +206,24 @@ def beam_search(
     length_penalty: float,
     all_done: Callable[[bool], bool] = bool,
     memory: Tensor | None = None,
+    decode: CompiledDecode | None = None,
 ) -> Tensor:
     """Keep the ``num_beams`` best prefixes per source; a hypothesis scores ``log p / length ** length_penalty``.
 
     A source is done once it holds ``num_beams`` finished hypotheses (early stopping), and its beams leave
-    the batch; at ``max_new_tokens`` the open beams are finished as they stand.
+    the batch; at ``max_new_tokens`` the open beams are finished as they stand. ``decode``: each step runs that
+    compiled step (:class:`CompiledDecode`) over a static cache, reordered in place, where the beams of finished
+    sources keep stepping and are ignored.
     """
     c = model.config
     b, k = src.shape[0], num_beams
     memory = (model.encode(src) if memory is None else memory).repeat_interleave(k, dim=0)  # (B*K, S', C)
     memory_padding = model.memory_padding(src).repeat_interleave(k, dim=0)
-    cache = model.new_cache(max_new_tokens)
+    static = None
+    if decode is not None:
+        _check_owner(decode, model)
+        static = StaticDecoder(model, memory, memory_padding, max_new_tokens, graph=False, decode=decode)
+    cache = model.new_cache(max_new_tokens) if static is None else static.cache
     tokens = torch.full((b * k, 1), c.bos_id, dtype=torch.long, device=src.device)
     scores = torch.zeros(b, k, device=src.device)
     scores[:, 1:] = float("-inf")  # all beams start equal: expand only the first
@@ -223,7 +235,10 @@ def beam_search(
 
     for step in range(max_new_tokens):
         n = len(active)
-        logits = model.decode(tokens[:, -1:], memory, memory_padding, cache)
+        if static is None:
+            logits = model.decode(tokens[:, -1:], memory, memory_padding, cache)
+        else:
+            logits = static(tokens[:, -1:].contiguous())  # a fixed stride, or the compiled step recompiles
         logp = torch.log_softmax(next_token_logits(logits, c.pad_id, c.bos_id), dim=-1)  # (n*K, V)
         vocab = logp.shape[-1]
         total = (logp.view(n, k, vocab) + scores[..., None]).view(n, k * vocab)
@@ -231,7 +246,8 @@ def beam_search(
         top_beams, top_tokens = (top_ids // vocab).tolist(), (top_ids % vocab).tolist()
         top_scores_list = top_scores.tolist()
         # Python lists while choosing: a tensor element write per candidate costs more than the step's attention.
-        next_beam, next_token = [[0] * k for _ in range(n)], [[c.pad_id] * k for _ in range(n)]
+        # A source done before this step keeps its beams where they are: nothing of its cache moves.
+        next_beam, next_token = [list(range(k)) for _ in range(n)], [[c.pad_id] * k for _ in range(n)]
         next_score = [[float("-inf")] * k for _ in range(n)]
         prefixes: list[list[int]] | None = None  # read from the tensor only when a hypothesis finishes
         searching = []  # positions in ``active`` of the sources that go on
@@ -253,7 +269,7 @@ def beam_search(
                 searching.append(i)
         if all_done(not searching):
             break
-        if searching and len(searching) < n:  # finished sources leave the batch
+        if static is None and searching and len(searching) < n:  # finished sources leave a dynamic batch
             active = [active[i] for i in searching]
             kept_rows = torch.tensor(searching)
             next_beam, next_token, next_score = (
@@ -264,7 +280,7 @@ def beam_search(
         else:
             kept_rows = torch.arange(n)
         index = (kept_rows[:, None] * k + torch.tensor(next_beam)).view(-1).to(src.device)
-        cache.select(index)
+        cache.select(index, step + 1)
         tokens = torch.cat([tokens.index_select(0, index), torch.tensor(next_token).view(-1, 1).to(src.device)], dim=1)
         scores = torch.tensor(next_score).to(src.device)
         if step == max_new_tokens - 1:
@@ -311,4 +327,4 @@ def generate(
     with decoding_kernels():
         if num_beams == 1:
             return greedy_search(model, src, max_new_tokens, all_done, memory, cuda_graph, decode)
-        return beam_search(model, src, max_new_tokens, num_beams, length_penalty, all_done, memory)
+        return beam_search(model, src, max_new_tokens, num_beams, length_penalty, all_done, memory, decode)

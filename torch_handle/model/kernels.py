@@ -63,6 +63,10 @@ def _dense(kernel: Kernel, q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, drop
         if q.shape[-2] == 1:  # one new token sees the whole cache
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
     mask = dense_mask(spec, q.shape[-2], k.shape[-2], q.device, q.dtype)
+    if kernel is _sdpa and q.shape[-2] == 1 and q.device.type == "cpu" and torch.compiler.is_compiling():
+        # A compiled decoding step on a CPU: written out, Inductor fuses the products and the softmax into one loop,
+        # where SDPA's flash kernel for one query spends most of its time setting up (benchmarks/RESULTS.md).
+        kernel = _naive
     return kernel(q, k, v, mask, dropout_p)
 
 

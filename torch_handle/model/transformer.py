@@ -50,15 +50,16 @@ class DecoderCache:
         self.cross_spec: MaskSpec | None = None  # a static cache's cross-attention mask
         self.rope: tuple[Tensor, Tensor] | None = None  # a static cache's RoPE angles for every position
 
-    def select(self, index: Tensor) -> None:
+    def select(self, index: Tensor, filled: int | None = None) -> None:
         """Row ``i`` becomes row ``index[i]`` of before: beam search's reorder, or finished rows dropping out.
 
         Cross-attention keys depend only on the source, equal across its beams: they follow only when the
-        number of rows changes, that is when rows drop out.
+        number of rows changes, that is when rows drop out. A static cache reorders in place and needs the number
+        of positions ``filled`` (see :meth:`KVCache.select`).
         """
         resized = index.shape[0] != self.rows
         for self_cache, cross_cache in self.layers:
-            self_cache.select(index)
+            self_cache.select(index, filled)
             if resized:
                 cross_cache.select(index)
 
