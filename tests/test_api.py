@@ -236,7 +236,9 @@ def test_asking_for_cuda_without_a_cuda_device_is_one_line(exported: Path) -> No
 
 
 @pytest.mark.slow
-def test_compile_decodes_greedy_and_beam_search_as_eager_decoding_does(exported: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_compile_decodes_greedy_and_beam_search_as_eager_decoding_does(
+    exported: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     steps: list[tuple[int, int]] = []  # (the decoding call's cache, its batch size) at every compiled step
     step = CompiledDecode.__call__
     monkeypatch.setattr(
