@@ -253,6 +253,36 @@ def test_a_static_cache_step_gives_the_dynamic_cache_logits(position: str, backe
         torch.testing.assert_close(static(tokens[:, i : i + 1]), expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["sdpa", "naive", "flex"])
+@torch.no_grad()
+def test_beams_sharing_their_source_memory_row_give_the_logits_of_a_repeated_memory(backend: str) -> None:
+    # Beam search hands cross-attention one memory row per source for its K consecutive beams: the keys and values
+    # are computed and read once, and every beam's logits must be those of a memory repeated K times.
+    model = _model(attention_backend=backend)
+    src, _ = _batch()
+    memory, padding = model.encode(src), model.memory_padding(src)
+    k, steps = 3, 5
+    shared, repeated = model.new_cache(steps), model.new_cache(steps)
+    tokens = torch.randint(3, VOCAB, (src.shape[0] * k, steps))
+    for i in range(steps):
+        expected = model.decode(
+            tokens[:, i : i + 1], memory.repeat_interleave(k, 0), padding.repeat_interleave(k, 0), repeated
+        )
+        torch.testing.assert_close(model.decode(tokens[:, i : i + 1], memory, padding, shared), expected)
+    assert shared.layers[0][1].k.shape[0] == src.shape[0] and shared.rows == src.shape[0] * k
+    # The second source's beams drop out: its memory row goes with them, the others keep theirs.
+    index = torch.tensor([0, 1, 2, 6, 7, 8])
+    shared.select(index)
+    repeated.select(index)
+    keep = torch.tensor([0, 2])
+    torch.testing.assert_close(
+        model.decode(tokens[index, :1], memory[keep], padding[keep], shared),
+        model.decode(
+            tokens[index, :1], memory[keep].repeat_interleave(k, 0), padding[keep].repeat_interleave(k, 0), repeated
+        ),
+    )
+
+
 @pytest.mark.parametrize("position", POSITIONS)
 @torch.no_grad()
 def test_static_greedy_equals_greedy_where_rows_finish_at_different_steps(position: str) -> None:
@@ -415,7 +445,8 @@ class _ScriptedDecoder:
 
     def decode(self, tokens: Tensor, memory: Tensor, memory_padding: Tensor, cache: _PrefixCache) -> Tensor:
         cache.extend(tokens[:, -1].tolist())
-        sources = memory[:, 0, 0].long().tolist()
+        # A source's beams share its memory row, as the Transformer's cross-attention lets them.
+        sources = memory[:, 0, 0].long().repeat_interleave(tokens.shape[0] // memory.shape[0]).tolist()
         return torch.stack([self.next_logits(s, p) for s, p in zip(sources, cache.prefixes, strict=True)])[:, None]
 
 

@@ -114,7 +114,9 @@ class MultiHeadAttention(nn.Module):
         Args:
             x: Queries (and keys/values for self-attention).
             spec: Masking for this call.
-            memory: Encoder output for cross-attention; ``None`` for self-attention.
+            memory: Encoder output for cross-attention; ``None`` for self-attention. It may hold one row for each
+                group of consecutive rows of ``x`` (beam search: a source's beams), which then attend to it as
+                one row of ``group * T`` queries: its keys and values are computed, kept and read once.
             rope: ``(cos, sin)`` for the query positions, applied to queries and keys (self-attention).
             cache: Self-attention: new keys/values are appended. Cross-attention: filled on first use.
             capacity: Positions to preallocate when a self-attention cache is first filled.
@@ -130,7 +132,8 @@ class MultiHeadAttention(nn.Module):
             if cache is not None:
                 k, v = cache.append(k, v, capacity)
         else:
-            q = self._heads(F.linear(x, w[:c], b[:c]))
+            # Rows of x grouped per memory row: (B * group, T, C) -> (B, group * T, C), undone by the last reshape.
+            q = self._heads(F.linear(x.reshape(memory.shape[0], -1, x.shape[-1]), w[:c], b[:c]))
             if cache is not None and cache.k is not None:
                 k, v = cache.k, cache.v
             else:

@@ -37,7 +37,7 @@ class CompiledDecode:
     kept (torch's default keeps 8, then decodes eagerly). Frozen weights cannot follow the model's: a call after a
     parameter or buffer changed in place raises instead of decoding with the old ones (a change made through
     ``.data`` escapes the check). It changes Inductor's settings for the duration of each call: one thread at a time.
-    Only :class:`StaticDecoder`'s fixed-shape step uses it (greedy decoding).
+    Only :class:`StaticDecoder`'s fixed-shape step uses it (greedy decoding and beam search).
     """
 
     def __init__(self, model: Transformer) -> None:
@@ -79,7 +79,8 @@ class StaticDecoder:
     most of the time; a graph launches the whole step at once. Capture needs fixed shapes and buffers, so rows
     never leave the batch. Off CUDA (or with ``graph=False``) the same static step runs eagerly. The model's
     weights must not change while a decoder is in use, and nothing in its forward pass may communicate.
-    ``decode`` replaces ``model.decode`` in the step: a :class:`CompiledDecode` on a CPU.
+    ``decode`` replaces ``model.decode`` in the step: a :class:`CompiledDecode` on a CPU. ``rows``: the decoder's
+    rows, a multiple of ``memory``'s when groups of them share a memory row (beam search); ``memory``'s by default.
     """
 
     def __init__(
@@ -90,9 +91,11 @@ class StaticDecoder:
         capacity: int,
         graph: bool,
         decode: Callable[..., Tensor] | None = None,
+        rows: int | None = None,
     ) -> None:
         self.cache = model.new_cache(capacity, memory_padding)
-        self.token = torch.full((memory.shape[0], 1), model.config.bos_id, dtype=torch.long, device=memory.device)
+        rows = memory.shape[0] if rows is None else rows
+        self.token = torch.full((rows, 1), model.config.bos_id, dtype=torch.long, device=memory.device)
         decode = model.decode if decode is None else decode
 
         def step() -> Tensor:
@@ -217,12 +220,13 @@ def beam_search(
     """
     c = model.config
     b, k = src.shape[0], num_beams
-    memory = (model.encode(src) if memory is None else memory).repeat_interleave(k, dim=0)  # (B*K, S', C)
-    memory_padding = model.memory_padding(src).repeat_interleave(k, dim=0)
+    # One memory row per source, shared by its K beams (rows b*K .. b*K+K-1): cross-attention reads it once.
+    memory = model.encode(src) if memory is None else memory
+    memory_padding = model.memory_padding(src)
     static = None
     if decode is not None:
         _check_owner(decode, model)
-        static = StaticDecoder(model, memory, memory_padding, max_new_tokens, graph=False, decode=decode)
+        static = StaticDecoder(model, memory, memory_padding, max_new_tokens, graph=False, decode=decode, rows=b * k)
     cache = model.new_cache(max_new_tokens) if static is None else static.cache
     tokens = torch.full((b * k, 1), c.bos_id, dtype=torch.long, device=src.device)
     scores = torch.zeros(b, k, device=src.device)
@@ -275,7 +279,7 @@ def beam_search(
             next_beam, next_token, next_score = (
                 [chosen[i] for i in searching] for chosen in (next_beam, next_token, next_score)
             )
-            memory_rows = (kept_rows[:, None] * k + torch.arange(k)).view(-1).to(src.device)
+            memory_rows = kept_rows.to(src.device)
             memory, memory_padding = memory[memory_rows], memory_padding[memory_rows]
         else:
             kept_rows = torch.arange(n)
@@ -316,8 +320,9 @@ def generate(
     (ZeRO-3 and FSDP gather parameters in them), processes that finish early must keep stepping in
     lockstep until all have finished, so the caller passes a reduction over processes here.
     ``cuda_graph``: greedy decoding replays each step as a CUDA graph (:class:`StaticDecoder`); only where the
-    model is a plain module (no sharded parameters gathered in its forward pass). ``decode``: greedy decoding runs
-    that compiled step instead (a :class:`CompiledDecode` of ``model``, for CPU inference). Beam search ignores both.
+    model is a plain module (no sharded parameters gathered in its forward pass); beam search ignores it. ``decode``:
+    greedy decoding and beam search run that compiled step instead (a :class:`CompiledDecode` of ``model``, for CPU
+    inference).
     Attention runs on SDPA's kernels other than cuDNN's (:func:`~torch_handle.model.kernels.decoding_kernels`).
     """
     if max_new_tokens < 1:

@@ -53,15 +53,17 @@ class DecoderCache:
     def select(self, index: Tensor, filled: int | None = None) -> None:
         """Row ``i`` becomes row ``index[i]`` of before: beam search's reorder, or finished rows dropping out.
 
-        Cross-attention keys depend only on the source, equal across its beams: they follow only when the
-        number of rows changes, that is when rows drop out. A static cache reorders in place and needs the number
-        of positions ``filled`` (see :meth:`KVCache.select`).
+        Cross-attention keys depend only on the source: they hold a row per source, shared by its beams (a group
+        of consecutive rows, see :class:`MultiHeadAttention`), and follow only when sources drop out; ``index``
+        then keeps whole groups. A static cache reorders in place and needs the number of positions ``filled``
+        (see :meth:`KVCache.select`).
         """
-        resized = index.shape[0] != self.rows
+        rows = self.rows
         for self_cache, cross_cache in self.layers:
+            if rows is not None and index.shape[0] != rows and cross_cache.k is not None:
+                group = rows // cross_cache.k.shape[0]
+                cross_cache.select(index[::group] // group)
             self_cache.select(index, filled)
-            if resized:
-                cross_cache.select(index)
 
     def batched(self) -> list[Tensor]:
         """The tensors it holds whose first dimension is the batch: every layer's keys and values."""
@@ -69,8 +71,8 @@ class DecoderCache:
 
     @property
     def rows(self) -> int | None:
-        """The batch size the cache holds, ``None`` before the first step."""
-        k = self.layers[0][1].k if self.layers else None
+        """The batch size the cache holds (decoder rows), ``None`` before the first step."""
+        k = self.layers[0][0].k if self.layers else None
         return None if k is None else k.shape[0]
 
 
