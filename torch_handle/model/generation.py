@@ -28,9 +28,9 @@ class CompiledDecode:
 
     Freezing folds the weights into the compiled code as constants, packed once for MKL's matrix products: at
     decoding's few rows per step those products are most of the time. Inductor's C++ wrapper calls the step's kernels
-    without Python in between. Greedy decoding of ``bench_peers``' model, every sentence running to the cache's full
-    length, ran 1.2-1.4x faster on one CPU thread (``benchmarks/RESULTS.md``); the static step keeps finished rows
-    and attends over every cached position, so batches whose sentences end early gain less.
+    without Python in between. On ``bench_peers``' model, every sentence running to the cache's full length, greedy
+    decoding ran 1.3x faster on one CPU thread and beam search 1.1x (``benchmarks/RESULTS.md``); the static step keeps
+    finished rows and attends over every cached position, so batches whose sentences end early gain less.
 
     What it costs: each batch size compiles two steps (the first, which fills the cache, and the rest; seconds each),
     and the first source length that differs turns that dimension dynamic, once more. Up to 32 compiled steps are
