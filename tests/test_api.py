@@ -239,22 +239,22 @@ def test_asking_for_cuda_without_a_cuda_device_is_one_line(exported: Path) -> No
 def test_compile_decodes_greedy_and_beam_search_as_eager_decoding_does(
     exported: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    steps: list[tuple[int, int]] = []  # (the decoding call's cache, its batch size) at every compiled step
+    steps: list[tuple[object, int]] = []  # (the decoding call's cache, kept alive, its batch size) at every step
     step = CompiledDecode.__call__
     monkeypatch.setattr(
         CompiledDecode,
         "__call__",
-        lambda self, token, *rest: steps.append((id(rest[-1]), len(token))) or step(self, token, *rest),
+        lambda self, token, *rest: steps.append((rest[-1], len(token))) or step(self, token, *rest),
     )
     eager, compiled = torch_handle.load(exported), torch_handle.load(exported, compile=True)
     # Batches of 3 sorted by length, the last of one sentence, filled to 3 rows: one batch size to compile for.
     greedy = eager.translate(SENTENCES, num_beams=1, batch_size=3)
     assert compiled.translate(SENTENCES, num_beams=1, batch_size=3) == greedy
-    assert len({cache for cache, _ in steps}) == 3 and {rows for _, rows in steps} == {3}, steps
+    assert len({id(cache) for cache, _ in steps}) == 3 and {rows for _, rows in steps} == {3}, steps
     steps.clear()
     beams = compiled.decoding.num_beams
     assert beams > 1 and compiled.translate(SENTENCES, batch_size=3) == eager.translate(SENTENCES, batch_size=3)
-    assert len({cache for cache, _ in steps}) == 3 and {rows for _, rows in steps} == {3 * beams}, steps
+    assert len({id(cache) for cache, _ in steps}) == 3 and {rows for _, rows in steps} == {3 * beams}, steps
     steps.clear()
     # A long document: windows in batches of 2, the last filled; then the summary of their summaries, one row.
     document = " ".join(SENTENCES * 8)
@@ -262,6 +262,9 @@ def test_compile_decodes_greedy_and_beam_search_as_eager_decoding_does(
         document, num_beams=1, batch_size=2
     )
     assert {rows for _, rows in steps} == {2}, steps
+    steps.clear()
+    assert compiled.summarize(document, batch_size=2) == eager.summarize(document, batch_size=2)  # beam search
+    assert {rows for _, rows in steps} == {2 * beams}, steps
 
 
 def test_compile_on_a_device_other_than_the_cpu_is_one_line(exported: Path) -> None:

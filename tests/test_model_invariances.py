@@ -334,9 +334,22 @@ class _EagerStep:
 
     def __init__(self, model: Transformer) -> None:
         self.model = model
+        self.calls = 0
+
+    def __call__(self, token: Tensor, memory: Tensor, memory_padding: Tensor, cache: Any) -> Tensor:
+        assert cache.position is not None, "the step runs over a static cache"
+        self.calls += 1
+        return self.model.decode(token, memory, memory_padding, cache)
+
+
+class _CountingDecode(CompiledDecode):
+    def __init__(self, model: Transformer) -> None:
+        super().__init__(model)
+        self.calls = 0
 
     def __call__(self, *args: Any) -> Tensor:
-        return self.model.decode(*args)
+        self.calls += 1
+        return super().__call__(*args)
 
 
 def _sources_ending_apart(model: Transformer, num_beams: int, steps: int) -> Tensor:
@@ -361,7 +374,9 @@ def test_static_beam_search_equals_beam_search_where_sources_finish_at_different
     src = _sources_ending_apart(model, num_beams, 12)
     for length_penalty in (0.0, 1.0):
         expected = generate(model, src, 12, num_beams, length_penalty)
-        assert torch.equal(generate(model, src, 12, num_beams, length_penalty, decode=_EagerStep(model)), expected)
+        step = _EagerStep(model)
+        assert torch.equal(generate(model, src, 12, num_beams, length_penalty, decode=step), expected)
+        assert step.calls == 12  # every step through it: the sources that finished kept stepping
 
 
 @pytest.mark.slow
@@ -369,10 +384,12 @@ def test_static_beam_search_equals_beam_search_where_sources_finish_at_different
 def test_compiled_beam_search_equals_beam_search_for_new_source_lengths_and_batch_sizes() -> None:
     model = _model(attention_backend="sdpa", tie_embeddings=False)
     src = _sources_ending_apart(model, 3, 12)
-    compiled = CompiledDecode(model)
+    compiled = _CountingDecode(model)
     for batch in (src, src[:, :9], src[:5]):
         expected = generate(model, batch, 12, 3)
+        calls = compiled.calls
         assert torch.equal(generate(model, batch, 12, 3, decode=compiled), expected), batch.shape
+        assert compiled.calls - calls == 12, batch.shape
 
 
 @torch.no_grad()
@@ -396,6 +413,16 @@ def test_a_static_cache_reorders_in_place_and_refuses_to_resize() -> None:
         static.cache.select(torch.tensor([1, 0]), filled=3)
     with pytest.raises(ValueError, match=r"^a static cache counts its positions on the device: pass the number"):
         static.cache.select(index)
+    # Refused before anything moved: the next step is still the dynamic cache's.
+    torch.testing.assert_close(static(tokens[:, :1]), model.decode(tokens[:, :1], memory, padding, dynamic))
+
+
+def test_cross_attention_to_a_memory_whose_rows_do_not_divide_the_batch_is_one_line() -> None:
+    model = _model()
+    src, tgt = _batch()
+    memory, padding = model.encode(src[:2]), model.memory_padding(src[:2])
+    with pytest.raises(ValueError, match=r"^cross-attention from 3 rows to a memory of 2: pass one memory row per"):
+        model.decode(tgt, memory, padding)
 
 
 def test_a_static_cache_past_max_len_is_refused() -> None:

@@ -57,13 +57,11 @@ class KVCache:
         if self.k is None or self.v is None:
             return
         if index.shape[0] != self.k.shape[0]:
-            if self.position is not None:
-                raise ValueError("a static cache keeps its rows: reorder them, or decode with a dynamic cache")
+            assert self.position is None, "a static cache keeps its rows"  # DecoderCache.select refuses it first
             self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
             return
-        if self.position is not None and filled is None:
-            raise ValueError("a static cache counts its positions on the device: pass the number filled")
         end = self.length if self.position is None else filled
+        assert end is not None, "a static cache needs the number of positions filled"
         moved = (index != torch.arange(index.shape[0], device=index.device)).nonzero().squeeze(1)
         if moved.numel():
             source = index[moved]
@@ -132,6 +130,11 @@ class MultiHeadAttention(nn.Module):
             if cache is not None:
                 k, v = cache.append(k, v, capacity)
         else:
+            if x.shape[0] % memory.shape[0]:
+                raise ValueError(
+                    f"cross-attention from {x.shape[0]} rows to a memory of {memory.shape[0]}: pass one memory row "
+                    "per row, or per group of consecutive rows (a source's beams)"
+                )
             # Rows of x grouped per memory row: (B * group, T, C) -> (B, group * T, C), undone by the last reshape.
             q = self._heads(F.linear(x.reshape(memory.shape[0], -1, x.shape[-1]), w[:c], b[:c]))
             if cache is not None and cache.k is not None:

@@ -95,6 +95,7 @@ class StaticDecoder:
     ) -> None:
         self.cache = model.new_cache(capacity, memory_padding)
         rows = memory.shape[0] if rows is None else rows
+        assert rows % memory.shape[0] == 0, "each memory row serves a group of consecutive decoder rows"
         self.token = torch.full((rows, 1), model.config.bos_id, dtype=torch.long, device=memory.device)
         decode = model.decode if decode is None else decode
 
@@ -284,7 +285,8 @@ def beam_search(
         else:
             kept_rows = torch.arange(n)
         index = (kept_rows[:, None] * k + torch.tensor(next_beam)).view(-1).to(src.device)
-        cache.select(index, step + 1)
+        if step < max_new_tokens - 1:  # no step reads the cache after the last
+            cache.select(index, step + 1)
         tokens = torch.cat([tokens.index_select(0, index), torch.tensor(next_token).view(-1, 1).to(src.device)], dim=1)
         scores = torch.tensor(next_score).to(src.device)
         if step == max_new_tokens - 1:

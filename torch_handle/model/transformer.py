@@ -59,10 +59,17 @@ class DecoderCache:
         (see :meth:`KVCache.select`).
         """
         rows = self.rows
+        if self.position is not None:  # refused before anything moves
+            if rows is not None and index.shape[0] != rows:
+                raise ValueError("a static cache keeps its rows: reorder them, or decode with a dynamic cache")
+            if filled is None:
+                raise ValueError("a static cache counts its positions on the device: pass the number filled")
         for self_cache, cross_cache in self.layers:
             if rows is not None and index.shape[0] != rows and cross_cache.k is not None:
                 group = rows // cross_cache.k.shape[0]
-                cross_cache.select(index[::group] // group)
+                sources = index[::group] // group
+                assert torch.equal(index // group, sources.repeat_interleave(group)), "a source's rows move together"
+                cross_cache.select(sources)
             self_cache.select(index, filled)
 
     def batched(self) -> list[Tensor]:
@@ -298,7 +305,9 @@ class Transformer(nn.Module):
     ) -> Tensor:
         """Logits ``(B, T, V)`` for decoder inputs ``tgt (B, T)`` over ``memory``.
 
-        With a ``cache``, ``tgt`` holds only the new tokens; their positions continue the cached ones, and
+        ``memory`` holds a row for each row of ``tgt``, or for each group of consecutive rows (beam search: a source's
+        beams share its row, and cross-attention reads it once). With a ``cache``, ``tgt`` holds only the new tokens;
+        their positions continue the cached ones, and
         cross-attention keys and values are computed once and kept (a static cache holds the source's padding mask
         from :meth:`new_cache`, and ``memory_padding`` goes unread). Without one, ``targets`` (see :meth:`logits`)
         keeps the logits of those positions only.
