@@ -20,6 +20,7 @@ def test_this_checkout_against_itself_gives_the_same_outputs(tiny_demo_run: Path
     source.write_text("the dog sees a cat\nmy king\ntwo old birds helped the dog\nthe cat\n", encoding="utf-8")
     command = [sys.executable, str(ROOT / "benchmarks" / "bench_decoding.py"), "--checkpoint", str(tiny_demo_run)]
     command += ["--source", str(source), "--before", str(ROOT), "--batch-size", "3", "--rounds", "1", "--no-write"]
+    command += ["--compile"]
     run = subprocess.run(command, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=RUN_TIMEOUT)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = re.findall(
@@ -27,4 +28,10 @@ def test_this_checkout_against_itself_gives_the_same_outputs(tiny_demo_run: Path
     )
     assert len(rows) == 4, run.stdout
     assert all(same == "yes" for *_, same in rows), run.stdout  # one code, one model: one set of outputs
+    # --compile: CompiledDecode on the longest-first batches, the last (1 of 4 sentences) filled to 3 rows.
+    compiled = re.findall(
+        r"^\| (greedy|beam 5) \| [\d.]+ \| [\d.]+ \| [\d.]+ \| (\w+) \| ([\d.]+) \|$", run.stdout, re.M
+    )
+    assert [name for name, *_ in compiled] == ["greedy", "beam 5"], run.stdout
+    assert all(same == "yes" and float(first) > 0 for _, same, first in compiled), run.stdout
     assert (ROOT / "benchmarks" / "RESULTS.md").read_text() == results

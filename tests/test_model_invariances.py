@@ -305,13 +305,20 @@ def test_static_greedy_equals_greedy_where_rows_finish_at_different_steps(positi
 @pytest.mark.slow
 @torch.no_grad()
 def test_compiled_greedy_equals_greedy_for_new_source_lengths_and_batch_sizes() -> None:
-    # CompiledDecode (torch_handle.load(..., compile=True)): Inductor with the weights frozen in; a second source
-    # length turns that dimension dynamic, a new batch size compiles a step of its own. Rows end at different steps.
+    # CompiledDecode (torch_handle.load(..., compile=True)): Inductor with the weights frozen in; source lengths are
+    # dynamic from the first call and a batch without padding takes the same step (neither compiles anything), a new
+    # batch size compiles steps of its own. Rows end at different steps.
+    from torch._dynamo.utils import counters
+
     model = _model(attention_backend="sdpa", tie_embeddings=False)
     src = _sources_ending_apart(model, 1, 12)
     compiled = CompiledDecode(model)
-    for batch in (src, src[:, :9], src[:5], src):
+    unpadded = torch.randint(3, VOCAB, (src.shape[0], 7))
+    for batch in (src, src[:, :9], src[:, :4], unpadded, src[:5], src):
+        frames = counters["frames"]["ok"]
         assert torch.equal(generate(model, batch, 12, decode=compiled), generate(model, batch, 12)), batch.shape
+        if batch.shape[0] == src.shape[0] and batch is not src:  # a length met first: nothing compiled
+            assert counters["frames"]["ok"] == frames, batch.shape
 
 
 def test_compiled_decoding_refuses_weights_changed_after_it_was_made() -> None:

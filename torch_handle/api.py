@@ -207,7 +207,7 @@ def load(
         attention_backend: The attention kernel on this machine (``auto`` picks one).
         compile: On a CPU, greedy and beam-search decoding run a step compiled by ``torch.compile`` with the
             weights frozen in: faster on ``bench_peers``' model (``benchmarks/RESULTS.md``), after a first call that
-            compiles (seconds; again for a new batch size, and once when source lengths vary).
+            compiles (seconds; again for a new batch size, not for new source lengths).
 
     Raises:
         CheckpointError: ``path`` is missing, damaged, or not a model; the message names the file and the fix.

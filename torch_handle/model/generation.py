@@ -6,6 +6,7 @@ import points one way, generation -> transformer.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -32,8 +33,8 @@ class CompiledDecode:
     decoding ran 1.3x faster on one CPU thread and beam search 1.1x (``benchmarks/RESULTS.md``); the static step keeps
     finished rows and attends over every cached position, so batches whose sentences end early gain less.
 
-    What it costs: each batch size compiles two steps (the first, which fills the cache, and the rest; seconds each),
-    and the first source length that differs turns that dimension dynamic, once more. Up to 32 compiled steps are
+    What it costs: each batch size compiles two steps (the first, which fills the cache, and the rest; seconds each);
+    source lengths are dynamic from the first call, so a new one compiles nothing. Up to 32 compiled steps are
     kept (torch's default keeps 8, then decodes eagerly). Frozen weights cannot follow the model's: a call after a
     parameter or buffer changed in place raises instead of decoding with the old ones (a change made through
     ``.data`` escapes the check). It changes Inductor's settings for the duration of each call: one thread at a time.
@@ -65,9 +66,18 @@ class CompiledDecode:
                 "(a new CompiledDecode, or torch_handle.load(..., compile=True) again), or decode without compile"
             )
         # One compiled step per batch size: a batch dimension left to turn dynamic (as a second size would) cost
-        # most of the gain, measured, while source lengths may turn dynamic at no cost.
+        # most of the gain, measured. Source lengths are dynamic from the first call, at no cost to the step: a job's
+        # second length would otherwise compile every step again.
         for tensor in (token, memory, memory_padding, *cache.batched()):
             torch._dynamo.mark_static(tensor, 0)
+        lengths = [(memory, 1), (memory_padding, 1)] + [(t, 2) for _, cross in cache.layers for t in (cross.k, cross.v)]
+        if cache.cross_spec is not None:
+            if cache.cross_spec.key_padding is None:  # a batch without padding: the same step, not one of its own
+                cache.cross_spec = dataclasses.replace(cache.cross_spec, key_padding=memory_padding)
+            lengths.append((cache.cross_spec.key_padding, 1))
+        for tensor, dim in lengths:
+            if tensor is not None:
+                torch._dynamo.maybe_mark_dynamic(tensor, dim)
         with torch.no_grad(), self._settings[0], self._settings[1]:
             return self._decode(token, memory, memory_padding, cache)
 
