@@ -14,6 +14,7 @@ from torch_handle.model import BackendUnavailableError, CompiledDecode, ConfigEr
 from torch_handle.model.generation import StaticDecoder, beam_search, generate, greedy_search
 from torch_handle.model.kernels import xformers_available
 from torch_handle.model.masks import MaskSpec
+from torch_handle.model.transformer import DecoderCache
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -370,6 +371,32 @@ def _sources_ending_apart(model: Transformer, num_beams: int, steps: int) -> Ten
         if len(set((generate(model, src, steps, num_beams) != PAD).sum(dim=1).tolist())) > 2:
             return src
     pytest.fail(f"no EOS scale makes sources end at different steps with {num_beams} beams")
+
+
+@torch.no_grad()
+def test_static_greedy_hands_over_to_the_dynamic_cache_once_half_the_rows_finished(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # With ``decode`` (a CompiledDecode) greedy decoding steps the static cache while most rows run, then goes on
+    # eagerly over a dynamic cache holding the running rows: the outputs must be the eager ones.
+    model = _model(attention_backend="sdpa", tie_embeddings=False)
+    src = _sources_ending_apart(model, 1, 12)
+    handovers: list[tuple[int, int]] = []  # (rows kept, positions filled)
+    dynamic = DecoderCache.dynamic
+    monkeypatch.setattr(
+        DecoderCache,
+        "dynamic",
+        lambda self, rows, filled: handovers.append((len(rows), filled)) or dynamic(self, rows, filled),
+    )
+    step = _EagerStep(model)
+    out = generate(model, src, 12, decode=step)
+    assert torch.equal(out, generate(model, src, 12))
+    lengths = (out != PAD).sum(dim=1).tolist()  # EOS included
+    assert len(handovers) == 1, handovers
+    rows, filled = handovers[0]  # at the first step after which half the rows had finished
+    finished, finished_before = (sum(length <= n for length in lengths) for n in (filled, filled - 1))
+    assert rows == len(lengths) - finished and 2 * finished >= len(lengths) > 2 * finished_before
+    assert step.calls == filled and max(lengths) > filled, (handovers, lengths, step.calls)
 
 
 @pytest.mark.parametrize("num_beams", [2, 4])

@@ -177,13 +177,30 @@ def greedy_search(
         _check_owner(decode, model)
     if cuda_graph or decode is not None:
         step = StaticDecoder(model, memory, memory_padding, max_new_tokens, graph=cuda_graph, decode=decode)
-        return _static_greedy(step, model.config, max_new_tokens, all_done)
+        handover = None if decode is None else (model, memory, memory_padding)
+        return _static_greedy(step, model.config, max_new_tokens, all_done, handover)
     cache = model.new_cache(max_new_tokens)
     out = torch.full((src.shape[0], max_new_tokens), c.pad_id, dtype=torch.long, device=src.device)
     rows = torch.arange(src.shape[0], device=src.device)  # the batch rows still decoding
     token = torch.full((src.shape[0], 1), c.bos_id, dtype=torch.long, device=src.device)
+    return _dynamic_greedy(model, memory, memory_padding, cache, token, rows, out, 0, all_done)
+
+
+def _dynamic_greedy(
+    model: Transformer,
+    memory: Tensor,
+    memory_padding: Tensor,
+    cache: DecoderCache,
+    token: Tensor,
+    rows: Tensor,
+    out: Tensor,
+    start: int,
+    all_done: Callable[[bool], bool],
+) -> Tensor:
+    """Greedy steps ``start`` onwards over a dynamic cache, writing the ``rows`` of ``out``: finished rows leave."""
+    c = model.config
     done = False
-    for step in range(max_new_tokens):
+    for step in range(start, out.shape[1]):
         logits = next_token_logits(model.decode(token, memory, memory_padding, cache), c.pad_id, c.bos_id)
         token = logits.max(dim=-1, keepdim=True).indices  # (b, 1); 3x faster than argmax on CPU, same ties
         if not done:
@@ -200,8 +217,15 @@ def greedy_search(
 
 
 def _static_greedy(
-    step: StaticDecoder, c: TransformerConfig, max_new_tokens: int, all_done: Callable[[bool], bool]
+    step: StaticDecoder,
+    c: TransformerConfig,
+    max_new_tokens: int,
+    all_done: Callable[[bool], bool],
+    handover: tuple[Transformer, Tensor, Tensor] | None = None,
 ) -> Tensor:
+    """Greedy steps over ``step``'s static cache. With ``handover`` (the model, memory and its padding), once half
+    the rows have finished the rest go on eagerly over a dynamic cache, where finished rows leave: the compiled step
+    pays only while the batch is mostly running (on real sentences it ran 0.91x of eager decoding without this)."""
     token = step.token  # (B, 1) BOS
     out = torch.full((token.shape[0], max_new_tokens), c.pad_id, dtype=torch.long, device=token.device)
     finished = torch.zeros(token.shape[0], dtype=torch.bool, device=token.device)
@@ -211,6 +235,13 @@ def _static_greedy(
         finished |= token[:, 0] == c.eos_id
         if all_done(bool(finished.all())):
             return out[:, : i + 1]
+        if handover is not None and i + 1 < max_new_tokens and 2 * int(finished.sum()) >= len(finished):
+            model, memory, memory_padding = handover
+            rows = (~finished).nonzero().squeeze(1)
+            cache = step.cache.dynamic(rows, filled=i + 1)
+            return _dynamic_greedy(
+                model, memory[rows], memory_padding[rows], cache, token[rows], rows, out, i + 1, all_done
+            )
     return out
 
 

@@ -72,6 +72,18 @@ class DecoderCache:
                 cross_cache.select(sources)
             self_cache.select(index, filled)
 
+    def dynamic(self, rows: Tensor, filled: int) -> DecoderCache:
+        """Rows ``rows`` of this static cache, ``filled`` positions written, as a dynamic cache: eager decoding goes on
+        from there, dropping rows as they finish (a static cache keeps them all)."""
+        cache = DecoderCache(len(self.layers), self.capacity)
+        for (static_self, static_cross), (new_self, new_cross) in zip(self.layers, cache.layers, strict=True):
+            assert static_self.k is not None and static_self.v is not None and static_cross.k is not None
+            new_self.k, new_self.v, new_self.length = static_self.k[rows], static_self.v[rows], filled
+            new_cross.k, new_cross.v = static_cross.k[rows], static_cross.v[rows]
+            new_cross.length = new_cross.k.shape[-2]
+        cache.length = filled
+        return cache
+
     def batched(self) -> list[Tensor]:
         """The tensors it holds whose first dimension is the batch: every layer's keys and values."""
         return [t for pair in self.layers for kv in pair for t in (kv.k, kv.v) if t is not None]
