@@ -46,8 +46,8 @@ class Model:
         tokenizer: The tokenizer it was trained with.
         decoding: Its decoding defaults and source length.
         compile: Decoding on a CPU runs a compiled step with the weights frozen in
-            (:class:`~torch_handle.model.CompiledDecode`), for models that no longer train: faster once compiled
-            where outputs run close to ``max_new_tokens``, slower where they end early (see :func:`load`).
+            (:class:`~torch_handle.model.CompiledDecode`), for models that no longer train: greedy decoding faster
+            once compiled; beam search only where outputs run close to ``max_new_tokens`` (see :func:`load`).
     """
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, decoding: Decoding, compile: bool = False) -> None:
@@ -208,8 +208,8 @@ def load(
         attention_backend: The attention kernel on this machine (``auto`` picks one).
         compile: On a CPU, greedy and beam-search decoding run a step compiled by ``torch.compile`` with the
             weights frozen in, after a first call that compiles (seconds; again for a new batch size, not for new
-            source lengths). Faster where outputs run close to ``max_new_tokens`` (``bench_peers``), slower where
-            they end early (real Multi30k sentences: 0.91x greedy, 0.56x beam; ``benchmarks/RESULTS.md``).
+            source lengths). Greedy: 1.07-1.18x eager on real Multi30k sentences, 1.3x where outputs run to
+            ``max_new_tokens``; beam search: 1.1x there, but 0.56x on real sentences (``benchmarks/RESULTS.md``).
 
     Raises:
         CheckpointError: ``path`` is missing, damaged, or not a model; the message names the file and the fix.
