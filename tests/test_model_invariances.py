@@ -289,17 +289,8 @@ def test_beams_sharing_their_source_memory_row_give_the_logits_of_a_repeated_mem
 def test_static_greedy_equals_greedy_where_rows_finish_at_different_steps(position: str) -> None:
     # Off CUDA ``cuda_graph=True`` runs the graph's static step eagerly: finished rows keep stepping, write nothing.
     model = _model(position=position, attention_backend="sdpa", tie_embeddings=False)
-    src = torch.randint(3, VOCAB, (8, 11))
-    src[1, 7:] = PAD
-    src[5, 3:] = PAD
-    eos = model.lm_head.weight[EOS].clone()
-    for scale in (1, 1.25, 1.5, 2, 2.5, 3, 4, 6):  # a likelier EOS until rows end at different steps
-        model.lm_head.weight[EOS] = eos * scale
-        out = generate(model, src, 12)
-        if len(set((out != PAD).sum(dim=1).tolist())) > 2:
-            break
-    else:
-        pytest.fail(f"no EOS scale makes rows end at different steps: {out}")
+    src = _sources_ending_apart(model, 1, 12)
+    out = generate(model, src, 12)
     assert torch.equal(generate(model, src, 12, cuda_graph=True), out)
 
 
