@@ -351,15 +351,21 @@ class _CountingDecode(CompiledDecode):
         return super().__call__(*args)
 
 
-def _sources_ending_apart(model: Transformer, num_beams: int, steps: int) -> Tensor:
-    """Sources (two of them padded) that ``model``, its EOS made likelier, ends at more than two different steps."""
+def _sources_ending_apart(model: Transformer, num_beams: int, steps: int, handover: bool = False) -> Tensor:
+    """Sources (two of them padded) that ``model``, its EOS made likelier, ends at more than two different steps.
+    With ``handover``: sources whose beam search has half of them finished before its last step, and more finishing
+    after, so that a static search hands over midway and the dynamic one still drops sources."""
     src = torch.randint(3, VOCAB, (8, 11))
     src[1, 7:] = PAD
     src[5, 3:] = PAD
     eos = model.lm_head.weight[EOS].clone()
-    for scale in (1, 1.25, 1.5, 2, 2.5, 3, 4, 6):
+    for scale in (1, 1.25, 1.5, 2, 2.5, 3, 4, 6, 8):
         model.lm_head.weight[EOS] = eos * scale
-        if len(set((generate(model, src, steps, num_beams) != PAD).sum(dim=1).tolist())) > 2:
+        if handover:
+            _, rows = _decoded_rows(model, src, steps, num_beams)
+            if len(set(rows[_handover_step(rows, len(src), num_beams) :])) > 1:
+                return src
+        elif len(set((generate(model, src, steps, num_beams) != PAD).sum(dim=1).tolist())) > 2:
             return src
     pytest.fail(f"no EOS scale makes sources end at different steps with {num_beams} beams")
 
@@ -392,29 +398,52 @@ def test_static_greedy_hands_over_to_the_dynamic_cache_once_half_the_rows_finish
 
 @pytest.mark.parametrize("num_beams", [2, 4])
 @torch.no_grad()
-def test_static_beam_search_equals_beam_search_where_sources_finish_at_different_steps(num_beams: int) -> None:
-    # With ``decode`` (a CompiledDecode) beam search runs over a static cache reordered in place, and the beams of
-    # finished sources keep stepping: the outputs must be the dynamic cache's, whose finished sources leave.
+def test_static_beam_search_equals_beam_search_and_hands_over_once_half_the_sources_finished(
+    num_beams: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With ``decode`` (a CompiledDecode) beam search runs over a static cache reordered in place, the beams of
+    # finished sources stepping, until half the sources have finished; then the rest go on over a dynamic cache,
+    # where finished sources leave: the outputs must be the dynamic cache's all along.
     model = _model(attention_backend="sdpa", tie_embeddings=False)
-    src = _sources_ending_apart(model, num_beams, 12)
+    src = _sources_ending_apart(model, num_beams, 12, handover=True)
     for length_penalty in (0.0, 1.0):
-        expected = generate(model, src, 12, num_beams, length_penalty)
+        expected, eager_rows = _decoded_rows(model, src, 12, num_beams, length_penalty)
         step = _EagerStep(model)
-        assert torch.equal(generate(model, src, 12, num_beams, length_penalty, decode=step), expected)
-        assert step.calls == 12  # every step through it: the sources that finished kept stepping
+        out, rows = _decoded_rows(model, src, 12, num_beams, length_penalty, decode=step)
+        assert torch.equal(out, expected)
+        handover = _handover_step(eager_rows, len(src), num_beams)
+        assert step.calls == handover < len(eager_rows), (eager_rows, handover)
+        assert rows == [len(src) * num_beams] * handover + eager_rows[handover:]
+
+
+def _decoded_rows(model: Transformer, *args: Any, **kwargs: Any) -> tuple[Tensor, list[int]]:
+    """``generate(model, *args, **kwargs)``, and the decoder rows of each of its steps."""
+    rows: list[int] = []
+    decode = model.decode
+    model.decode = lambda token, *args: rows.append(token.shape[0]) or decode(token, *args)  # type: ignore[method-assign]
+    try:
+        return generate(model, *args, **kwargs), rows
+    finally:
+        del model.decode
+
+
+def _handover_step(eager_rows: list[int], sources: int, num_beams: int) -> int:
+    """The steps a static beam search takes before it hands over: until half the sources have finished, as the eager
+    search's shrinking batch (``eager_rows``, a step's rows) shows; all of them where it does not hand over."""
+    return next((i for i, rows in enumerate(eager_rows) if 2 * rows <= sources * num_beams), len(eager_rows))
 
 
 @pytest.mark.slow
 @torch.no_grad()
 def test_compiled_beam_search_equals_beam_search_for_new_source_lengths_and_batch_sizes() -> None:
     model = _model(attention_backend="sdpa", tie_embeddings=False)
-    src = _sources_ending_apart(model, 3, 12)
+    src = _sources_ending_apart(model, 3, 12, handover=True)
     compiled = _CountingDecode(model)
     for batch in (src, src[:, :9], src[:5]):
-        expected = generate(model, batch, 12, 3)
+        expected, eager_rows = _decoded_rows(model, batch, 12, 3)
         calls = compiled.calls
         assert torch.equal(generate(model, batch, 12, 3, decode=compiled), expected), batch.shape
-        assert compiled.calls - calls == 12, batch.shape
+        assert compiled.calls - calls == _handover_step(eager_rows, len(batch), 3), batch.shape
 
 
 @torch.no_grad()

@@ -208,8 +208,9 @@ def load(
         attention_backend: The attention kernel on this machine (``auto`` picks one).
         compile: On a CPU, greedy and beam-search decoding run a step compiled by ``torch.compile`` with the
             weights frozen in, after a first call that compiles (seconds; again for a new batch size, not for new
-            source lengths). Greedy: 1.07-1.18x eager on real Multi30k sentences, 1.3x where outputs run to
-            ``max_new_tokens``; beam search: 1.1x there, but 0.56x on real sentences (``benchmarks/RESULTS.md``).
+            source lengths). Where outputs run to ``max_new_tokens``, greedy 1.3x eager and beam search 1.1x; on
+            real Multi30k sentences, which end early, greedy 0.96-1.12x and beam 5 0.88-0.90x
+            (``benchmarks/RESULTS.md``).
 
     Raises:
         CheckpointError: ``path`` is missing, damaged, or not a model; the message names the file and the fix.

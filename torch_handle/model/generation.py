@@ -31,9 +31,10 @@ class CompiledDecode:
     decoding's few rows per step those products are most of the time. Inductor's C++ wrapper calls the step's kernels
     without Python in between. On ``bench_peers``' model, every sentence running to the cache's full length, greedy
     decoding ran 1.3x faster on one CPU thread and beam search 1.1x (``benchmarks/RESULTS.md``). The static step keeps
-    finished rows and attends over every cached position, so sentences that end early cost it. Greedy decoding hands
-    a batch over to the eager cache once half its rows have finished: on real Multi30k sentences (``max_new_tokens``
-    96) it ran 1.07-1.18x eager decoding (0.91x without the handover); beam search, without one, ran 0.56x.
+    finished rows and attends over every cached position, so sentences that end early cost it. Greedy decoding and
+    beam search hand a batch over to the eager cache once half its rows (or sources) have finished: on real Multi30k
+    sentences (``max_new_tokens`` 96) greedy then ran 0.96-1.12x eager decoding and beam 5 0.88-0.90x (0.91x and
+    0.56x without the handover), still attending over all 96 positions while it runs.
 
     What it costs: each batch size compiles two steps (the first, which fills the cache, and the rest; seconds each);
     source lengths are dynamic from the first call, so a new one compiles nothing. Up to 32 compiled steps are
@@ -225,7 +226,7 @@ def _static_greedy(
 ) -> Tensor:
     """Greedy steps over ``step``'s static cache. With ``handover`` (the model, memory and its padding), once half
     the rows have finished the rest go on eagerly over a dynamic cache, where finished rows leave: the compiled step
-    pays only while the batch is mostly running (on real sentences it ran 0.91x of eager decoding without this)."""
+    runs only while the batch is mostly running (on real sentences 0.96-1.12x eager decoding, 0.91x without this)."""
     token = step.token  # (B, 1) BOS
     out = torch.full((token.shape[0], max_new_tokens), c.pad_id, dtype=torch.long, device=token.device)
     finished = torch.zeros(token.shape[0], dtype=torch.bool, device=token.device)
@@ -258,9 +259,10 @@ def beam_search(
     """Keep the ``num_beams`` best prefixes per source; a hypothesis scores ``log p / length ** length_penalty``.
 
     A source is done once it holds ``num_beams`` finished hypotheses (early stopping), and its beams leave
-    the batch; at ``max_new_tokens`` the open beams are finished as they stand. ``decode``: each step runs that
-    compiled step (:class:`CompiledDecode`) over a static cache, reordered in place, where the beams of finished
-    sources keep stepping and are ignored.
+    the batch; at ``max_new_tokens`` the open beams are finished as they stand. ``decode``: steps run that compiled
+    step (:class:`CompiledDecode`) over a static cache, reordered in place, where the beams of finished sources keep
+    stepping and are ignored, until half the sources have finished; the rest then go on eagerly over a dynamic
+    cache (:meth:`DecoderCache.dynamic`), as greedy decoding does.
     """
     c = model.config
     b, k = src.shape[0], num_beams
@@ -317,7 +319,9 @@ def beam_search(
                 searching.append(i)
         if all_done(not searching):
             break
-        if static is None and searching and len(searching) < n:  # finished sources leave a dynamic batch
+        # Once half the sources have finished, the rest go on eagerly: the static step pays only while most run.
+        handover = static is not None and step < max_new_tokens - 1 and 2 * len(searching) <= n
+        if (static is None or handover) and searching and len(searching) < n:  # finished sources leave the batch
             active = [active[i] for i in searching]
             kept_rows = torch.tensor(searching)
             next_beam, next_token, next_score = (
@@ -328,7 +332,9 @@ def beam_search(
         else:
             kept_rows = torch.arange(n)
         index = (kept_rows[:, None] * k + torch.tensor(next_beam)).view(-1).to(src.device)
-        if step < max_new_tokens - 1:  # no step reads the cache after the last
+        if handover:
+            cache, static = cache.dynamic(index, step + 1), None
+        elif step < max_new_tokens - 1:  # no step reads the cache after the last
             cache.select(index, step + 1)
         tokens = torch.cat([tokens.index_select(0, index), torch.tensor(next_token).view(-1, 1).to(src.device)], dim=1)
         scores = torch.tensor(next_score).to(src.device)

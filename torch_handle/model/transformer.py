@@ -66,20 +66,19 @@ class DecoderCache:
                 raise ValueError("a static cache counts its positions on the device: pass the number filled")
         for self_cache, cross_cache in self.layers:
             if rows is not None and index.shape[0] != rows and cross_cache.k is not None:
-                group = rows // cross_cache.k.shape[0]
-                sources = index[::group] // group
-                assert torch.equal(index // group, sources.repeat_interleave(group)), "a source's rows move together"
-                cross_cache.select(sources)
+                cross_cache.select(_sources(index, rows // cross_cache.k.shape[0]))
             self_cache.select(index, filled)
 
     def dynamic(self, rows: Tensor, filled: int) -> DecoderCache:
         """Rows ``rows`` of this static cache, ``filled`` positions written, as a dynamic cache: eager decoding goes on
-        from there, dropping rows as they finish (a static cache keeps them all)."""
+        from there, dropping rows as they finish (a static cache keeps them all). Under beam search ``rows`` keeps
+        whole groups of a source's beams, in any order within a group, and the cross-attention keeps their sources."""
         cache = DecoderCache(len(self.layers), self.capacity)
         for (static_self, static_cross), (new_self, new_cross) in zip(self.layers, cache.layers, strict=True):
             assert static_self.k is not None and static_self.v is not None and static_cross.k is not None
             new_self.k, new_self.v, new_self.length = static_self.k[rows], static_self.v[rows], filled
-            new_cross.k, new_cross.v = static_cross.k[rows], static_cross.v[rows]
+            sources = _sources(rows, static_self.k.shape[0] // static_cross.k.shape[0])
+            new_cross.k, new_cross.v = static_cross.k[sources], static_cross.v[sources]
             new_cross.length = new_cross.k.shape[-2]
         cache.length = filled
         return cache
@@ -93,6 +92,13 @@ class DecoderCache:
         """The batch size the cache holds (decoder rows), ``None`` before the first step."""
         k = self.layers[0][0].k if self.layers else None
         return None if k is None else k.shape[0]
+
+
+def _sources(rows: Tensor, group: int) -> Tensor:
+    """The cross-attention rows (one per source) of decoder ``rows`` that keep whole groups of ``group`` beams."""
+    sources = rows[::group] // group
+    assert torch.equal(rows // group, sources.repeat_interleave(group)), "a source's rows move together"
+    return sources
 
 
 def _any_padding(pad: Tensor) -> Tensor | None:
