@@ -236,21 +236,29 @@ def test_cached_greedy_equals_uncached_argmax(position: str) -> None:
     assert torch.equal(out, expected[:, : out.shape[1]])
 
 
+@pytest.mark.parametrize("window", [False, True])
 @pytest.mark.parametrize("position", POSITIONS)
 @pytest.mark.parametrize("backend", ["sdpa", "flex"])
 @torch.no_grad()
-def test_a_static_cache_step_gives_the_dynamic_cache_logits(position: str, backend: str) -> None:
+def test_a_static_cache_step_gives_the_dynamic_cache_logits(position: str, backend: str, window: bool) -> None:
     # The static cache attends over its whole capacity with the unwritten keys masked, and reads its position
-    # from a tensor (what a CUDA graph replays); the logits must be the sliced cache's at every step.
+    # from a tensor (what a CUDA graph replays), or, with a window (what CompiledDecode sets), over the positions
+    # written and its own: the logits must be the sliced cache's at every step.
     model = _model(position=position, attention_backend=backend)
     src, _ = _batch()
     memory, padding = model.encode(src), model.memory_padding(src)
     steps = 9
-    static = StaticDecoder(model, memory, padding, steps, graph=False)
-    cache = model.new_cache(steps)
+    static = StaticDecoder(model, memory, padding, steps + 3, graph=False)  # room to spare: a window reads less
+    cache = model.new_cache(steps + 3)
     tokens = torch.randint(3, VOCAB, (src.shape[0], steps))
     for i in range(steps):
         expected = model.decode(tokens[:, i : i + 1], memory, padding, cache)
+        if window:
+            static.cache.attend_written(i)
+            for self_cache, _ in static.cache.layers:  # past the window: read, they would poison the logits
+                for kv in (self_cache.k, self_cache.v):
+                    if kv is not None:
+                        kv[:, :, i + 1 :] = float("nan")
         torch.testing.assert_close(static(tokens[:, i : i + 1]), expected, atol=1e-5, rtol=1e-5)
 
 
@@ -311,6 +319,27 @@ def test_compiled_greedy_equals_greedy_for_new_source_lengths_and_batch_sizes() 
         assert torch.equal(generate(model, batch, 12, decode=compiled), generate(model, batch, 12)), batch.shape
         if batch.shape[0] == src.shape[0] and batch is not src:  # a length met first: nothing compiled
             assert counters["frames"]["ok"] == frames, batch.shape
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_a_compiled_step_reads_only_the_positions_written() -> None:
+    # CompiledDecode sets the static cache's window: the step attends over the positions written and its own, not
+    # the whole capacity. Past them the buffers hold NaN, which a read would carry into the logits.
+    model = _model(attention_backend="sdpa")
+    src, _ = _batch()
+    memory, padding = model.encode(src), model.memory_padding(src)
+    steps = 6
+    static = StaticDecoder(model, memory, padding, steps, graph=False, decode=CompiledDecode(model))
+    cache = model.new_cache(steps)
+    tokens = torch.randint(3, VOCAB, (src.shape[0], steps))
+    for i in range(steps):
+        expected = model.decode(tokens[:, i : i + 1], memory, padding, cache)
+        for self_cache, _ in static.cache.layers:
+            for kv in (self_cache.k, self_cache.v):
+                if kv is not None:
+                    kv[:, :, i + 1 :] = float("nan")
+        torch.testing.assert_close(static(tokens[:, i : i + 1]), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_compiled_decoding_refuses_weights_changed_after_it_was_made() -> None:

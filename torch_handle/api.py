@@ -208,9 +208,8 @@ def load(
         attention_backend: The attention kernel on this machine (``auto`` picks one).
         compile: On a CPU, greedy and beam-search decoding run a step compiled by ``torch.compile`` with the
             weights frozen in, after a first call that compiles (seconds; again for a new batch size, not for new
-            source lengths). Where outputs run to ``max_new_tokens``, greedy 1.3x eager and beam search 1.1x; on
-            real Multi30k sentences, which end early, greedy 0.96-1.12x and beam 5 0.88-0.90x
-            (``benchmarks/RESULTS.md``).
+            source lengths). On real Multi30k sentences greedy ran 1.16-1.24x eager and beam 5 1.20-1.25x, at one
+            thread (``benchmarks/RESULTS.md``).
 
     Raises:
         CheckpointError: ``path`` is missing, damaged, or not a model; the message names the file and the fix.

@@ -19,7 +19,8 @@ class KVCache:
     Beam search reorders it along the batch dimension, and finished rows leave it, with :meth:`select`.
     With a ``position`` tensor the cache is static: a new key is written at that position, on the device, and
     the whole capacity is returned (the caller masks the positions not yet written), so that every step runs
-    the same kernels on the same buffers and a CUDA graph can replay it.
+    the same kernels on the same buffers and a CUDA graph can replay it. With a ``window`` (``arange(n)``), only the
+    first ``n`` positions are returned: a compiled step whose length dimension is dynamic reads no more than that.
     """
 
     def __init__(self, position: Tensor | None = None) -> None:
@@ -27,10 +28,13 @@ class KVCache:
         self.v: Tensor | None = None
         self.length = 0
         self.position = position  # (1,): the next position of a static cache, advanced by its owner
+        self.window: Tensor | None = None  # a static cache's positions attended this step, set by its owner
 
     def append(self, k: Tensor, v: Tensor, capacity: int) -> tuple[Tensor, Tensor]:
         if self.k is None:
-            shape = (*k.shape[:2], capacity, k.shape[-1])
+            # A window never spans the whole buffer: one spare position, or the last step's view would be the whole
+            # buffer, whose shapes a compiled step specializes on (it compiled again).
+            shape = (*k.shape[:2], capacity + (self.window is not None), k.shape[-1])
             # A static cache's unwritten keys and values are masked, not sliced off, and a masked NaN left in
             # uninitialised memory would still poison the output (0 * NaN): they start as zeros.
             new = torch.zeros if self.position is not None else torch.empty
@@ -39,7 +43,10 @@ class KVCache:
         if self.position is not None:
             self.k.index_copy_(2, self.position, k)
             self.v.index_copy_(2, self.position, v)
-            return self.k, self.v
+            if self.window is None:
+                return self.k, self.v
+            end = self.window.shape[0]
+            return self.k[:, :, :end], self.v[:, :, :end]
         end = self.length + k.shape[-2]
         self.k[:, :, self.length : end] = k
         self.v[:, :, self.length : end] = v

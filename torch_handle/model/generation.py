@@ -30,11 +30,11 @@ class CompiledDecode:
     Freezing folds the weights into the compiled code as constants, packed once for MKL's matrix products: at
     decoding's few rows per step those products are most of the time. Inductor's C++ wrapper calls the step's kernels
     without Python in between. On ``bench_peers``' model, every sentence running to the cache's full length, greedy
-    decoding ran 1.3x faster on one CPU thread and beam search 1.1x (``benchmarks/RESULTS.md``). The static step keeps
-    finished rows and attends over every cached position, so sentences that end early cost it. Greedy decoding and
-    beam search hand a batch over to the eager cache once half its rows (or sources) have finished: on real Multi30k
-    sentences (``max_new_tokens`` 96) greedy then ran 0.96-1.12x eager decoding and beam 5 0.88-0.90x (0.91x and
-    0.56x without the handover), still attending over all 96 positions while it runs.
+    decoding ran 1.3-1.5x faster on one CPU thread and beam search 1.1-1.2x (``benchmarks/RESULTS.md``). The step
+    attends over the positions written only (:meth:`DecoderCache.attend_written`, a dynamic length), but it keeps
+    finished rows, so greedy decoding and beam search hand a batch over to the eager cache once half its rows (or
+    sources) have finished. On real Multi30k sentences (``max_new_tokens`` 96) greedy then ran 1.16-1.24x eager
+    decoding and beam 5 1.20-1.25x (0.91x and 0.56x with neither).
 
     What it costs: each batch size compiles two steps (the first, which fills the cache, and the rest; seconds each);
     source lengths are dynamic from the first call, so a new one compiles nothing. Up to 32 compiled steps are
@@ -78,6 +78,10 @@ class CompiledDecode:
             if cache.cross_spec.key_padding is None:  # a batch without padding: the same step, not one of its own
                 cache.cross_spec = dataclasses.replace(cache.cross_spec, key_padding=memory_padding)
             lengths.append((cache.cross_spec.key_padding, 1))
+        assert cache.position is not None
+        window = cache.attend_written(int(cache.position))  # a host read, on a CPU: attend over those positions only
+        if len(window) > 1:  # dynamic from the second step (the first, which fills the cache, compiles its own)
+            torch._dynamo.mark_dynamic(window, 0)
         for tensor, dim in lengths:
             if tensor is not None:
                 torch._dynamo.maybe_mark_dynamic(tensor, dim)
@@ -226,7 +230,7 @@ def _static_greedy(
 ) -> Tensor:
     """Greedy steps over ``step``'s static cache. With ``handover`` (the model, memory and its padding), once half
     the rows have finished the rest go on eagerly over a dynamic cache, where finished rows leave: the compiled step
-    runs only while the batch is mostly running (on real sentences 0.96-1.12x eager decoding, 0.91x without this)."""
+    runs only while the batch is mostly running."""
     token = step.token  # (B, 1) BOS
     out = torch.full((token.shape[0], max_new_tokens), c.pad_id, dtype=torch.long, device=token.device)
     finished = torch.zeros(token.shape[0], dtype=torch.bool, device=token.device)

@@ -49,6 +49,18 @@ class DecoderCache:
         self.position = position
         self.cross_spec: MaskSpec | None = None  # a static cache's cross-attention mask
         self.rope: tuple[Tensor, Tensor] | None = None  # a static cache's RoPE angles for every position
+        self.window: Tensor | None = None  # see :meth:`attend_written`
+
+    def attend_written(self, filled: int) -> Tensor:
+        """Have a static cache's next step attend over the ``filled`` positions written and its own, not the whole
+        capacity: for an owner that counts positions on the host (a compiled CPU step, whose length dimension is
+        then dynamic), where a CUDA graph must read the same buffers every step. Returns the window,
+        ``arange(filled + 1)``."""
+        assert self.position is not None, "a dynamic cache attends over what it holds"
+        self.window = torch.arange(filled + 1, device=self.position.device)
+        for self_cache, _ in self.layers:
+            self_cache.window = self.window
+        return self.window
 
     def select(self, index: Tensor, filled: int | None = None) -> None:
         """Row ``i`` becomes row ``index[i]`` of before: beam search's reorder, or finished rows dropping out.
@@ -297,7 +309,8 @@ class Transformer(nn.Module):
         With the source's ``memory_padding`` the cache is static: every step attends over the whole capacity (the
         positions not yet written masked) and reads its position from a tensor, with no host synchronisation (the
         one for the padding happens here); a CUDA graph can then capture a step and replay it, and ``torch.compile``
-        compile it whole (:class:`torch_handle.model.generation.StaticDecoder`).
+        compile it whole (:class:`torch_handle.model.generation.StaticDecoder`), attending over the positions
+        written only (:meth:`DecoderCache.attend_written`).
         """
         if memory_padding is None:
             return DecoderCache(len(self.decoder_layers), capacity)
@@ -348,7 +361,7 @@ class Transformer(nn.Module):
             raise ValueError(f"a static cache decodes one token per step, got {tgt.shape[1]}")
         position, cross_spec = cache.position, cache.cross_spec
         assert position is not None and cross_spec is not None
-        keys = torch.arange(cache.capacity, device=tgt.device)
+        keys = torch.arange(cache.capacity, device=tgt.device) if cache.window is None else cache.window
         future = (keys > position).expand(tgt.shape[0], -1)
         self_spec = MaskSpec(key_padding=future, alibi=self._slopes, q_offset=position.squeeze(0))  # 0-d, as an int
         rope = None if cache.rope is None else (cache.rope[0][position], cache.rope[1][position])
