@@ -35,3 +35,19 @@ def test_this_checkout_against_itself_gives_the_same_outputs(tiny_demo_run: Path
     assert [name for name, *_ in compiled] == ["greedy", "beam 5"], run.stdout
     assert all(same == "yes" and float(first) > 0 for _, same, first in compiled), run.stdout
     assert (ROOT / "benchmarks" / "RESULTS.md").read_text() == results
+
+
+@pytest.mark.slow
+def test_the_step_benchmark_times_every_step_at_every_capacity(tiny_demo_run: Path, tmp_path: Path) -> None:
+    command = [sys.executable, str(ROOT / "benchmarks" / "bench_decode_step.py"), "--checkpoint", str(tiny_demo_run)]
+    command += ["--capacity", "8", "5", "--sources", "2", "--beams", "3", "--warmup", "2", "--steps", "3"]
+    run = subprocess.run(command, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = re.findall(r"^\| ([a-z ,()]+) \| ([\d.]+) \| ([\d.]+) \|$", run.stdout, re.M)
+    assert [name for name, *_ in rows] == [
+        "compiled, written positions only", "static cache, eager", "dynamic (eager) cache"
+    ], run.stdout  # fmt: skip
+    assert all(float(ms) > 0 for _, *cells in rows for ms in cells), run.stdout
+    short = subprocess.run(command + ["--capacity", "4"], cwd=tmp_path, env=env(), capture_output=True, text=True)
+    assert short.returncode == 2
+    assert short.stderr.splitlines()[-1].endswith("--capacity must hold --warmup + --steps = 5 positions")

@@ -46,8 +46,8 @@ class Model:
         tokenizer: The tokenizer it was trained with.
         decoding: Its decoding defaults and source length.
         compile: Decoding on a CPU runs a compiled step with the weights frozen in
-            (:class:`~torch_handle.model.CompiledDecode`), for models that no longer train: greedy decoding faster
-            once compiled; beam search only where outputs run close to ``max_new_tokens`` (see :func:`load`).
+            (:class:`~torch_handle.model.CompiledDecode`), for models that no longer train: greedy decoding and beam
+            search faster once compiled (see :func:`load`).
     """
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, decoding: Decoding, compile: bool = False) -> None:
