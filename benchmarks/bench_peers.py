@@ -178,44 +178,74 @@ def _parameters(model: Any) -> int:  # noqa: ANN401
 # --- children -----------------------------------------------------------------------------------------------
 
 
-def _train_child(impl: str, s: Sizes, steps: int, warmup: int, device: str) -> dict[str, Any]:
+def _train_child(impl: str, s: Sizes, steps: int, warmup: int, device: str, compile: bool) -> dict[str, Any]:
+    """Median step of ``impl`` eagerly and, with ``compile``, then compiled as its users would compile it: ours as
+    ``--model.compile true`` does (each layer and the loss), the peers as HF ``TrainingArguments(torch_compile=True)``
+    does (``torch.compile(model)``), with the loss compiled too. The compiled steps continue the same optimizer."""
     import torch
 
-    from torch_handle.loss import token_sums
+    from torch_handle.loss import compiled_token_sums, token_sums
 
     model = (_our_model(s, no_eos=False) if impl == "ours" else _hf_model(impl, s)).to(device)
     generator = torch.Generator().manual_seed(1)
     batches = [tuple(t.to(device) for t in _batch(torch, generator, s)) for _ in range(4)]
     cuda = device == "cuda"
+    forward, sums = model, token_sums
 
     def loss_of(batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
         src, tgt, labels = batch
         if impl == "ours":  # as the LightningModule: logits at the positions the loss reads only
             targets = labels != PAD
-            logits, labels = model(src, tgt, targets), labels[targets]
+            logits, labels = forward(src, tgt, targets), labels[targets]
         else:  # no decoder mask: right padding is invisible to earlier positions, and the loss skips it
-            logits = model(input_ids=src, attention_mask=src != PAD, decoder_input_ids=tgt).logits
-        loss, _, tokens = token_sums(logits, labels, PAD, LABEL_SMOOTHING)
-        loss = loss / tokens
-        assert torch.isfinite(loss), loss
-        return loss
+            logits = forward(input_ids=src, attention_mask=src != PAD, decoder_input_ids=tgt).logits
+        loss, _, tokens = sums(logits, labels, PAD, LABEL_SMOOTHING)
+        return loss / tokens
 
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda or None)
-    wall, cpu = [], []
-    for step in range(warmup + steps):
-        _sync(device)
-        start, cpu_start = time.perf_counter(), time.process_time()
+
+    def timed_step(batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)
         with _autocast(device):
-            loss = loss_of(batches[step % len(batches)])
+            loss = loss_of(batch)
         loss.backward()
         optimizer.step()
         _sync(device)
-        if step >= warmup:
-            wall.append(time.perf_counter() - start)
-            cpu.append(time.process_time() - cpu_start)
-    return {"wall": wall, "cpu": cpu, "peak": _peak_bytes(device), "parameters": _parameters(model)}
+        return loss
+
+    def timed(warmup: int) -> dict[str, Any]:
+        wall, cpu, untimed = [], [], 0.0
+        for step in range(warmup + steps):
+            _sync(device)
+            start, cpu_start = time.perf_counter(), time.process_time()
+            loss = timed_step(batches[step % len(batches)])
+            assert torch.isfinite(loss), loss
+            if step >= warmup:
+                wall.append(time.perf_counter() - start)
+                cpu.append(time.process_time() - cpu_start)
+            else:
+                untimed += time.perf_counter() - start
+        return {"wall": wall, "cpu": cpu, "untimed": untimed}
+
+    def kernels() -> int:
+        """CUDA kernels one step launches: what a host-bound step's time follows."""
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+            timed_step(batches[0])
+        return sum(event.device_type == torch.autograd.DeviceType.CUDA for event in profile.events())
+
+    result = timed(warmup) | {"peak": _peak_bytes(device), "parameters": _parameters(model)}
+    result |= {"kernels": kernels()} if cuda else {}
+    if compile:
+        if impl == "ours":
+            for layer in (*model.encoder_layers, *model.decoder_layers):
+                layer.compile()
+        else:
+            forward = torch.compile(model)
+        sums = compiled_token_sums()
+        # Every batch once before the timed steps: a second shape of the packed tokens recompiles, dynamic.
+        result["compiled"] = timed(max(warmup, len(batches))) | ({"kernels": kernels()} if cuda else {})
+    return result
 
 
 def _sync(device: str) -> None:
@@ -397,7 +427,7 @@ def _child(impl: str, task: str, s: Sizes, args: argparse.Namespace) -> dict[str
 
     torch.set_num_threads(args.threads)
     if task == "train":
-        result = _train_child(impl, s, args.steps, args.warmup, args.device)
+        result = _train_child(impl, s, args.steps, args.warmup, args.device, args.compile_train)
     elif task == "export":
         assert folder is not None, "--task export needs --export-dir"
         result = _export_child(s, folder)
@@ -437,6 +467,7 @@ def _run_all(args: argparse.Namespace) -> tuple[dict[str, dict[str, list[dict]]]
     common_args = ["--threads", str(args.threads), "--steps", str(args.steps), "--warmup", str(args.warmup)]
     common_args += ["--repeats", str(args.repeats), "--device", args.device] + (["--dry-run"] if args.dry_run else [])
     common_args += ["--batch", str(args.batch)] if args.batch else []
+    common_args += ["--compile-train"] if args.compile_train else []
     decoders = _decoders(args.device)
     runs: dict[str, dict[str, list[dict]]] = {"train": {i: [] for i in TRAINABLE}, "decode": {i: [] for i in decoders}}
     machine = ""
@@ -444,6 +475,8 @@ def _run_all(args: argparse.Namespace) -> tuple[dict[str, dict[str, list[dict]]]
         if "ct2-fp32" in decoders:
             common.run_child(script, ["--child", "ours", "--task", "export", "--export-dir", folder, *common_args])
         for task, impls in (("train", TRAINABLE), ("decode", decoders)):
+            if task not in args.tasks:
+                continue
             for round_index in range(args.rounds):
                 for impl in impls if round_index % 2 == 0 else impls[::-1]:
                     child_args = ["--child", impl, "--task", task, "--export-dir", folder, *common_args]
@@ -451,6 +484,12 @@ def _run_all(args: argparse.Namespace) -> tuple[dict[str, dict[str, list[dict]]]
                     machine = machine or common.machine_line(run["threads"], run["torch"], run["gpu"])
                     if task == "train":
                         log.info("train %s: median step %.0f ms", impl, 1e3 * statistics.median(run["wall"]))
+                        if "compiled" in run:
+                            compiled = run["compiled"]
+                            log.info(
+                                "train %s compiled: median step %.0f ms, its untimed steps %.1f s", impl,
+                                1e3 * statistics.median(compiled["wall"]), compiled["untimed"],
+                            )  # fmt: skip
                     else:
                         compiled = ""
                         if "greedy_compiled" in run:
@@ -486,25 +525,11 @@ def _table(runs: dict[str, dict[str, list[dict]]], s: Sizes, device: str) -> tup
         return [label, *(cells.get(i, "-") for i in impls), *ratios, goal]
 
     train, decode = runs["train"], runs["decode"]
-    wall = {i: _pooled(train[i], "wall") for i in TRAINABLE}
-    cpu = {i: _pooled(train[i], "cpu") for i in TRAINABLE}
-    shape = f"{s.batch}x{s.seq} + {s.batch}x{s.seq} tokens"
-    rows = [
-        row(
-            f"training step, median wall (ms), {shape}",
-            {i: f"{1e3 * v:.0f}" for i, v in wall.items()},
-            wall,
-            _goal(wall["ours"] / wall["bart"], "<=", 0.9, "BART"),
-        ),
-        row(
-            "training step, median CPU (ms)",
-            {i: f"{1e3 * v:.0f}" for i, v in cpu.items()},
-            cpu,
-            _goal(cpu["ours"] / cpu["bart"], "<=", 0.9, "BART") if device == "cpu" else "-",  # a GPU's: waiting
-        ),
-        row(f"training {memory} (MiB)", {i: f"{_peak(train[i]):,.0f}" for i in TRAINABLE}),
-        row("parameters", {i: f"{train[i][0]['parameters']:,}" for i in TRAINABLE}),
-    ]
+    rows = []
+    if any(train.values()):
+        rows += _train_rows(train, s, device, row, memory)
+    if not any(decode.values()):
+        return header, rows
     for name, label in (("greedy", "greedy"), ("beam", f"beam {s.beams}")):
         speed = {i: s.sources / _pooled(decode[i], name, "wall") for i in impls}
         goal = _goal(speed["ours"] / speed["bart"], ">=", 1.5, "BART")
@@ -536,6 +561,48 @@ def _table(runs: dict[str, dict[str, list[dict]]], s: Sizes, device: str) -> tup
         rows.append(row("greedy sentences identical to ours", agreement))
     rows.append(row(f"decoding {memory} (MiB)", {i: f"{_peak(decode[i]):,.0f}" for i in impls}))
     return header, rows
+
+
+def _train_rows(
+    train: dict[str, list[dict]], s: Sizes, device: str, row: Callable[..., list[str]], memory: str
+) -> list[list[str]]:
+    """The training rows: eager, then compiled where the children measured it (``--compile-train``)."""
+    wall = {i: _pooled(train[i], "wall") for i in TRAINABLE}
+    cpu = {i: _pooled(train[i], "cpu") for i in TRAINABLE}
+    shape = f"{s.batch}x{s.seq} + {s.batch}x{s.seq} tokens"
+    rows = [
+        row(
+            f"training step, median wall (ms), {shape}",
+            {i: f"{1e3 * v:.0f}" for i, v in wall.items()},
+            wall,
+            _goal(wall["ours"] / wall["bart"], "<=", 0.9, "BART"),
+        ),
+        row(
+            "training step, median CPU (ms)",
+            {i: f"{1e3 * v:.0f}" for i, v in cpu.items()},
+            cpu,
+            _goal(cpu["ours"] / cpu["bart"], "<=", 0.9, "BART") if device == "cpu" else "-",  # a GPU's: waiting
+        ),
+    ]
+    if "compiled" in train["ours"][0]:
+        compiled = {i: _pooled(train[i], "compiled", "wall") for i in TRAINABLE}
+        goal = _goal(compiled["ours"] / compiled["bart"], "<=", 0.9, "BART compiled") + "; "
+        eager = compiled["ours"] / wall["bart"]
+        goal += f"{_goal(eager, '<=', 0.9, 'BART eager')} ({eager:.2f})"
+        label = "training step compiled (ours `--model.compile true`, peers `torch.compile(model)`), median wall (ms)"
+        rows.append(row(label, {i: f"{1e3 * v:.1f}" for i, v in compiled.items()}, compiled, goal))
+        untimed = {i: max(run["compiled"]["untimed"] for run in train[i]) for i in TRAINABLE}
+        label = "training compiled: its untimed first steps, compiling included (s)"
+        rows.append(row(label, {i: f"{v:.1f}" for i, v in untimed.items()}))
+    if "kernels" in train["ours"][0]:
+        kernels = {i: f"{train[i][0]['kernels']:,}" for i in TRAINABLE}
+        if "compiled" in train["ours"][0]:
+            kernels = {i: f"{v} / {train[i][0]['compiled']['kernels']:,}" for i, v in kernels.items()}
+        label = "CUDA kernels and copies a step" + (" (eager / compiled)" if "compiled" in train["ours"][0] else "")
+        rows.append(row(label, kernels))
+    rows.append(row(f"training {memory} (MiB)", {i: f"{_peak(train[i]):,.0f}" for i in TRAINABLE}))
+    rows.append(row("parameters", {i: f"{train[i][0]['parameters']:,}" for i in TRAINABLE}))
+    return rows
 
 
 def _peak(runs: list[dict]) -> float:
@@ -573,10 +640,27 @@ def _description(args: argparse.Namespace, s: Sizes) -> str:
         f"sources and targets of {s.seq // 2} to {s.seq} tokens, so about a quarter of each batch is padding, on "
         "which ours, as the LightningModule, runs no feed-forward block and computes no logits, while the peers "
         f"compute every position; median of {args.steps} timed steps after {args.warmup} untimed ones, pooled over "
-        f"{args.rounds} rounds. Decoding: {s.sources} sources of {s.source_len} tokens ({s.source_len - 1} random "
-        f"and EOS{ct2}), exactly {s.new_tokens} tokens generated per sentence ({lengths}ours with the EOS logit set "
-        "to -inf after each decoder step; every child asserts the lengths), encoder included, median of "
-        f"{args.repeats} calls after one untimed call, pooled over the rounds. {memory}"
+        f"{args.rounds} rounds.{_compiled_training(args)}"
+        + (
+            f" Decoding: {s.sources} sources of {s.source_len} tokens ({s.source_len - 1} random and EOS{ct2}), "
+            f"exactly {s.new_tokens} tokens generated per sentence ({lengths}ours with the EOS logit set to -inf "
+            "after each decoder step; every child asserts the lengths), encoder included, median of "
+            f"{args.repeats} calls after one untimed call, pooled over the rounds."
+            if "decode" in args.tasks
+            else ""
+        )
+        + f" {memory}"
+    )
+
+
+def _compiled_training(args: argparse.Namespace) -> str:
+    if not args.compile_train:
+        return ""
+    return (
+        " Compiled training (`--compile-train`): in the same child after the eager steps, the same optimizer going on, "
+        "ours as `--model.compile true` compiles it (`torch.compile` of each encoder and decoder layer, and of the "
+        "loss), the peers as HF `TrainingArguments(torch_compile=True)` does (`torch.compile(model)`, the loss "
+        f"compiled too); {args.warmup} untimed steps first, in which it compiles."
     )
 
 
@@ -614,6 +698,15 @@ def main() -> None:
     parser.add_argument("--batch", type=int, help="training rows (default 32; a GPU is idle at 32)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: bf16 autocast, no CTranslate2")
     parser.add_argument("--steps", type=int, default=5, help="timed training steps per run")
+    parser.add_argument(
+        "--compile-train",
+        action="store_true",
+        help="also time each training step compiled, after the eager ones in the same child: ours as "
+        "--model.compile true, the peers as HF's torch_compile=True (torch.compile(model)), the loss compiled",
+    )
+    parser.add_argument(
+        "--tasks", nargs="+", choices=["train", "decode"], default=["train", "decode"], help="what to measure"
+    )
     parser.add_argument("--warmup", type=int, default=2, help="untimed training steps first")
     parser.add_argument("--repeats", type=int, default=3, help="timed decoding calls per run (one untimed first)")
     parser.add_argument("--rounds", type=int, default=2, help="runs per implementation, alternating the order")
@@ -638,10 +731,14 @@ def main() -> None:
     minutes = (time.perf_counter() - start) / 60
     log.info("all children: %.1f min", minutes)
     header, rows = _table(runs, s, args.device)
-    command = f"python benchmarks/bench_peers.py --device {args.device} --threads {args.threads} --steps {args.steps}"
-    command += f" --warmup {args.warmup}"
-    command += f" --batch {args.batch}" if args.batch else ""
-    command += f" --repeats {args.repeats} --rounds {args.rounds}" + (" --dry-run" if args.dry_run else "")
+    command = f"python benchmarks/bench_peers.py --device {args.device} --threads {args.threads}"
+    if "train" in args.tasks:
+        command += f" --steps {args.steps} --warmup {args.warmup}"
+        command += f" --batch {args.batch}" if args.batch else ""
+        command += " --compile-train" if args.compile_train else ""
+    command += f" --repeats {args.repeats}" if "decode" in args.tasks else ""
+    command += f" --tasks {' '.join(args.tasks)}" if args.tasks != ["train", "decode"] else ""
+    command += f" --rounds {args.rounds}" + (" --dry-run" if args.dry_run else "")
     cpu = args.device == "cpu"
     body = "\n\n".join(
         [

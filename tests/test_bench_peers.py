@@ -28,7 +28,13 @@ def _row(table: str, label: str) -> dict[str, str]:
 @pytest.mark.skipif(bool(MISSING), reason=f"{' and '.join(MISSING)} not installed (pip install 'torch-handle[bench]')")
 def test_dry_run_measures_every_implementation_at_the_forced_length() -> None:
     results = (ROOT / "benchmarks" / "RESULTS.md").read_text()
-    command = [sys.executable, str(ROOT / "benchmarks" / "bench_peers.py"), "--dry-run", "--no-write"]
+    command = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "bench_peers.py"),
+        "--dry-run",
+        "--no-write",
+        "--compile-train",
+    ]
     run = subprocess.run(command, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=2 * RUN_TIMEOUT)
     assert run.returncode == 0, run.stderr[-3000:]
     table = run.stdout
@@ -43,6 +49,14 @@ def test_dry_run_measures_every_implementation_at_the_forced_length() -> None:
         assert float(row["ours / HF BART"]) > 0 and float(row["ours / CT2 fp32"]) > 0, row
         assert row["goal"].startswith(">= 1.5x BART: "), row
     assert _row(table, "training step, median wall")["goal"].startswith("<= 0.9x BART: ")
+    # Each trainable implementation compiled as its users compile it, every batch seen once before the timed steps:
+    # a recompile inside them (seconds at this size, against milliseconds) would show as a step 100x the eager one.
+    eager, compiled = _row(table, "training step, median wall"), _row(table, "training step compiled")
+    for impl in IMPLS[:3]:
+        assert 0 < float(compiled[impl]) < 100 * max(float(eager[impl]), 1.0), (eager, compiled)
+    assert compiled["goal"].startswith("<= 0.9x BART compiled: ") and "; <= 0.9x BART eager: " in compiled["goal"]
+    untimed = _row(table, "training compiled: its untimed first steps")
+    assert all(float(untimed[impl]) > 0 for impl in IMPLS[:3]), untimed
     # Greedy and beam through CompiledDecode (the child asserts their sentences equal eager's), with compiling times.
     for label in ("greedy decoding", "beam 5 decoding"):
         compiled = _row(table, f"ours compiled (`load(..., compile=True)`): {label}")

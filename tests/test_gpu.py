@@ -125,3 +125,19 @@ def test_cuda_graph_replays_the_eager_static_step_in_bf16() -> None:
         for i in range(20):
             token = tokens[:, i : i + 1]
             assert torch.equal(graphed(token), eager(token)), f"step {i}"
+
+
+@torch.no_grad()
+def test_cuda_graph_beam_search_equals_eager_beam_search(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp32: beam steps replayed as CUDA graphs over a static cache reordered in place, handed over to the eager
+    cache once half the sources have finished, keep the beams eager beam search keeps."""
+    from test_model_invariances import _decoded_rows, _handover_step, _model, _sources_ending_apart, _static_steps
+
+    model = _model(attention_backend="sdpa", tie_embeddings=False)
+    src = _sources_ending_apart(model, 3, 12, handover=True).cuda()  # found on the CPU: its EOS made likelier
+    model.cuda()
+    expected, eager_rows = _decoded_rows(model, src, 12, 3)
+    steps = _static_steps(monkeypatch)
+    assert torch.equal(generate(model, src, 12, 3, cuda_graph=True), expected)
+    assert 0 < len(steps) == _handover_step(eager_rows, len(src), 3) < 12
+    assert set(steps) == {(len(src) * 3, True)}

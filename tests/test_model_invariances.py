@@ -475,6 +475,33 @@ def test_compiled_beam_search_equals_beam_search_for_new_source_lengths_and_batc
         assert compiled.calls - calls == _handover_step(eager_rows, len(batch), 3), batch.shape
 
 
+def _static_steps(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bool]]:
+    """Each :class:`StaticDecoder` step from now on: its rows, and whether it replayed a CUDA graph."""
+    steps: list[tuple[int, bool]] = []
+    call = StaticDecoder.__call__
+
+    def counted(self: StaticDecoder, token: Tensor) -> Tensor:
+        steps.append((token.shape[0], self.graph is not None))
+        return call(self, token)
+
+    monkeypatch.setattr(StaticDecoder, "__call__", counted)
+    return steps
+
+
+@torch.no_grad()
+def test_beam_search_with_cuda_graph_steps_the_static_cache_then_hands_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    # cuda_graph=True: beam search steps a StaticDecoder (on a CPU without a graph, the same static steps run
+    # eagerly) over every beam until half the sources have finished, then goes on over the dynamic cache. The
+    # beams it keeps must be the eager search's, and it must hand over exactly where the eager batch has halved.
+    model = _model(attention_backend="sdpa", tie_embeddings=False)
+    src = _sources_ending_apart(model, 3, 12, handover=True)
+    expected, eager_rows = _decoded_rows(model, src, 12, 3)
+    steps = _static_steps(monkeypatch)
+    assert torch.equal(generate(model, src, 12, 3, cuda_graph=True), expected)
+    assert 0 < len(steps) == _handover_step(eager_rows, len(src), 3) < 12
+    assert set(steps) == {(len(src) * 3, False)}
+
+
 @torch.no_grad()
 def test_a_static_cache_reorders_in_place_and_refuses_to_resize() -> None:
     model = _model()

@@ -57,7 +57,7 @@ class Model:
         if compile and self.device.type != "cpu":
             raise SetupError(
                 f"compile=True compiles decoding on a CPU, but device={str(self.device)!r}: leave compile off "
-                "(on a GPU, greedy decoding replays CUDA graphs already)"
+                "(on a GPU, decoding replays CUDA graphs already)"
             )
         self._decode = CompiledDecode(self.model) if compile else None
 
@@ -204,7 +204,8 @@ def load(
     Args:
         path: An exported ``.safetensors`` file, a ``.ckpt`` file, a DeepSpeed or FSDP checkpoint folder, or a run
             folder (``--trainer.default_root_dir``: its ``checkpoints/last.ckpt`` is loaded).
-        device: Where to decode: ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ...
+        device: Where to decode: ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ... On a GPU greedy decoding and beam search
+            replay each step as a CUDA graph (on an H200, beam 5 ran 2.0x its eager steps).
         attention_backend: The attention kernel on this machine (``auto`` picks one).
         compile: On a CPU, greedy and beam-search decoding run a step compiled by ``torch.compile`` with the
             weights frozen in, after a first call that compiles (seconds; again for a new batch size, not for new

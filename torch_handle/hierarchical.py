@@ -80,7 +80,7 @@ def generate_summaries(
             rows = order[first : first + batch_size]
             src = collate([Example(sources[i], "") for i in rows])["src"].to(device)  # (b, S)
             if generate_fn is None:
-                # this process alone decodes a plain module: greedy steps can replay as CUDA graphs
+                # this process alone decodes a plain module: its steps can replay as CUDA graphs
                 ids = generate(model, src, max_new_tokens, num_beams, length_penalty, cuda_graph=src.is_cuda)
             else:
                 ids = generate_fn(src)

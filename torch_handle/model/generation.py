@@ -259,14 +259,16 @@ def beam_search(
     all_done: Callable[[bool], bool] = bool,
     memory: Tensor | None = None,
     decode: CompiledDecode | None = None,
+    cuda_graph: bool = False,
 ) -> Tensor:
     """Keep the ``num_beams`` best prefixes per source; a hypothesis scores ``log p / length ** length_penalty``.
 
     A source is done once it holds ``num_beams`` finished hypotheses (early stopping), and its beams leave
-    the batch; at ``max_new_tokens`` the open beams are finished as they stand. ``decode``: steps run that compiled
-    step (:class:`CompiledDecode`) over a static cache, reordered in place, where the beams of finished sources keep
-    stepping and are ignored, until half the sources have finished; the rest then go on eagerly over a dynamic
-    cache (:meth:`DecoderCache.dynamic`), as greedy decoding does.
+    the batch; at ``max_new_tokens`` the open beams are finished as they stand. ``decode``, or ``cuda_graph`` on a
+    GPU: steps run that compiled step (:class:`CompiledDecode`), or replay each as a CUDA graph, over a static
+    cache reordered in place, where the beams of finished sources keep stepping and are ignored, until half the
+    sources have finished; the rest then go on eagerly over a dynamic cache (:meth:`DecoderCache.dynamic`), as
+    greedy decoding does.
     """
     c = model.config
     b, k = src.shape[0], num_beams
@@ -276,7 +278,10 @@ def beam_search(
     static = None
     if decode is not None:
         _check_owner(decode, model)
-        static = StaticDecoder(model, memory, memory_padding, max_new_tokens, graph=False, decode=decode, rows=b * k)
+    if decode is not None or cuda_graph:
+        static = StaticDecoder(
+            model, memory, memory_padding, max_new_tokens, graph=cuda_graph, decode=decode, rows=b * k
+        )
     cache = model.new_cache(max_new_tokens) if static is None else static.cache
     tokens = torch.full((b * k, 1), c.bos_id, dtype=torch.long, device=src.device)
     scores = torch.zeros(b, k, device=src.device)
@@ -374,8 +379,8 @@ def generate(
     ``all_done`` maps "this process is done" to "every process is done": where forward passes communicate
     (ZeRO-3 and FSDP gather parameters in them), processes that finish early must keep stepping in
     lockstep until all have finished, so the caller passes a reduction over processes here.
-    ``cuda_graph``: greedy decoding replays each step as a CUDA graph (:class:`StaticDecoder`); only where the
-    model is a plain module (no sharded parameters gathered in its forward pass); beam search ignores it. ``decode``:
+    ``cuda_graph``: greedy decoding and beam search replay each step as a CUDA graph (:class:`StaticDecoder`); only
+    where the model is a plain module (no sharded parameters gathered in its forward pass). ``decode``:
     greedy decoding and beam search run that compiled step instead (a :class:`CompiledDecode` of ``model``, for CPU
     inference).
     Attention runs on SDPA's kernels other than cuDNN's (:func:`~torch_handle.model.kernels.decoding_kernels`).
@@ -387,4 +392,4 @@ def generate(
     with decoding_kernels():
         if num_beams == 1:
             return greedy_search(model, src, max_new_tokens, all_done, memory, cuda_graph, decode)
-        return beam_search(model, src, max_new_tokens, num_beams, length_penalty, all_done, memory, decode)
+        return beam_search(model, src, max_new_tokens, num_beams, length_penalty, all_done, memory, decode, cuda_graph)
