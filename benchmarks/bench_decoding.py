@@ -46,7 +46,7 @@ def child(
     from torch_handle.model import generate
 
     torch.set_num_threads(threads)
-    model = torch_handle.load(checkpoint)
+    model = torch_handle.load(checkpoint, compile=compiled)  # its weights laid out as load() lays them for each
     lines = source.read_text(encoding="utf-8").splitlines()[:limit]
     ids = [row[: model.decoding.max_source_tokens] for row in model.tokenizer.encode_batch(lines)]
     indices = list(range(len(ids)))

@@ -37,6 +37,7 @@ peak allocation. CTranslate2 is left out there (its goal is a CPU one).
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import logging
@@ -377,8 +378,13 @@ def _torch_decoder(impl: str, s: Sizes, src: Any, device: str) -> Callable[..., 
 
     if impl == "ours":
         from torch_handle.model import CompiledDecode, generate
+        from torch_handle.model.generation import cpu_decoding_layout
 
         model = _our_model(s).to(device).eval()
+        eager = model
+        if device == "cpu":  # as load() lays out a model that decodes eagerly on a CPU; compiled, it keeps the trained
+            eager = copy.deepcopy(model)
+            cpu_decoding_layout(eager)
         compiled_step: list[CompiledDecode] = []  # made at the first compiled call
 
         def decode(beams: int, compiled: bool = False) -> list[list[int]]:
@@ -386,8 +392,8 @@ def _torch_decoder(impl: str, s: Sizes, src: Any, device: str) -> Callable[..., 
                 compiled_step.append(CompiledDecode(model))
             step = compiled_step[0] if compiled else None
             with _autocast(device):
-                out = generate(  # (B, L), PAD after EOS; greedy on a GPU replays CUDA graphs, as load() does
-                    model, src, s.new_tokens, num_beams=beams, cuda_graph=device == "cuda", decode=step
+                out = generate(  # (B, L), PAD after EOS; on a GPU steps replay CUDA graphs, as load() decodes
+                    model if compiled else eager, src, s.new_tokens, beams, cuda_graph=device == "cuda", decode=step
                 )
             return [[t for t in row if t != PAD] for row in out.tolist()]
 
@@ -670,7 +676,13 @@ def _configs(s: Sizes, cpu: bool) -> str:
     lines = [
         f"- ours: `TransformerConfig({', '.join(f'{k}={v!r}' for k, v in ours.items())})`, SDPA; pre-LN "
         "with a final LayerNorm after each stack, sinusoidal positions (interleaved sin/cos), no embedding "
-        "LayerNorm.",
+        "LayerNorm."
+        + (
+            " Eager decoding on the CPU with every linear weight stored column-major, as `torch_handle.load` lays "
+            "out a model that is not compiled (`cpu_decoding_layout`); compiled, the weights as trained."
+            if cpu
+            else ""
+        ),
         f"- HF BART: `BartConfig({', '.join(f'{k}={v!r}' for k, v in hf.items())}, forced_eos_token_id=None)`, "
         "`attn_implementation='sdpa'`; post-LN plus a LayerNorm on the embeddings (`layernorm_embedding`), "
         "learned positions (offset 2), an output bias (`final_logits_bias`).",

@@ -267,6 +267,16 @@ def test_compile_decodes_greedy_and_beam_search_as_eager_decoding_does(
     assert {rows for _, rows in steps} == {2 * beams}, steps
 
 
+def test_a_model_decoding_on_a_cpu_stores_its_linear_weights_column_major_unless_compiled(exported: Path) -> None:
+    # Eager decoding multiplies by each weight's transpose, faster contiguous at a step's few rows; a compiled step
+    # packs the weights itself, so compile=True leaves them as trained.
+    def column_major(model: Model) -> set[bool]:
+        return {m.weight.t().is_contiguous() for m in model.model.modules() if isinstance(m, torch.nn.Linear)}
+
+    assert column_major(torch_handle.load(exported)) == {True}
+    assert column_major(torch_handle.load(exported, compile=True)) == {False}
+
+
 def test_compile_on_a_device_other_than_the_cpu_is_one_line(exported: Path) -> None:
     loaded = torch_handle.load(exported)
     with pytest.raises(SetupError, match=r"^compile=True compiles decoding on a CPU, but device='meta': leave compile"):

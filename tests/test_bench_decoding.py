@@ -51,3 +51,25 @@ def test_the_step_benchmark_times_every_step_at_every_capacity(tiny_demo_run: Pa
     short = subprocess.run(command + ["--capacity", "4"], cwd=tmp_path, env=env(), capture_output=True, text=True)
     assert short.returncode == 2
     assert short.stderr.splitlines()[-1].endswith("--capacity must hold --warmup + --steps = 5 positions")
+
+
+@pytest.mark.slow
+def test_the_layout_benchmark_pairs_both_layouts_on_both_workloads(tiny_demo_run: Path, tmp_path: Path) -> None:
+    source = tmp_path / "in.txt"
+    source.write_text("the dog sees a cat\nmy king\ntwo old birds helped the dog\n", encoding="utf-8")
+    command = [sys.executable, str(ROOT / "benchmarks" / "bench_cpu_layout.py"), "--dry-run"]
+    run = subprocess.run(
+        command + ["--checkpoint", str(tiny_demo_run), "--source", str(source)],
+        cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=RUN_TIMEOUT,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = re.findall(r"^\| (.+?) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| (\d+)/(\d+) \| (\w+) \|$", run.stdout, re.M)
+    labels = [row[0] for row in rows]
+    assert [label.startswith("fresh d 32") for label in labels] == [True, True, False, False], run.stdout
+    assert [", greedy" in label for label in labels] == [True, False, True, False], run.stdout
+    assert all(", beam 5" in label for label in labels[1::2]), run.stdout
+    # Both layouts decode the same outputs (a transposed copy of the same values), each timed in both pairs.
+    assert all(same == "yes" and total == "2" and float(ratio) > 0 for *_, ratio, _, total, same in rows), run.stdout
+    alone = subprocess.run(command + ["--source", str(source)], cwd=tmp_path, env=env(), capture_output=True, text=True)
+    assert alone.returncode == 2
+    assert alone.stderr.splitlines()[-1].endswith("--checkpoint and --source go together")

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from torch_handle.model import BackendUnavailableError, CompiledDecode, ConfigError, Transformer, TransformerConfig
-from torch_handle.model.generation import StaticDecoder, beam_search, generate, greedy_search
+from torch_handle.model.generation import StaticDecoder, beam_search, cpu_decoding_layout, generate, greedy_search
 from torch_handle.model.kernels import xformers_available
 from torch_handle.model.masks import MaskSpec
 from torch_handle.model.transformer import DecoderCache
@@ -473,6 +473,24 @@ def test_compiled_beam_search_equals_beam_search_for_new_source_lengths_and_batc
         calls = compiled.calls
         assert torch.equal(generate(model, batch, 12, 3, decode=compiled), expected), batch.shape
         assert compiled.calls - calls == _handover_step(eager_rows, len(batch), 3), batch.shape
+
+
+@torch.no_grad()
+def test_the_cpu_decoding_layout_keeps_values_tied_weights_and_outputs() -> None:
+    # Every linear weight column-major (its transpose, which F.linear multiplies by, contiguous), the same values,
+    # the tied table still one parameter shared by the embeddings and the output layer, the same greedy and beams.
+    model = _model(attention_backend="sdpa", tie_embeddings=True)
+    src, _ = _batch()
+    expected = {beams: generate(model, src, 10, beams) for beams in (1, 3)}
+    before = {name: p.clone() for name, p in model.named_parameters()}
+    cpu_decoding_layout(model)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) > 8 and all(m.weight.t().is_contiguous() and not m.weight.is_contiguous() for m in linears)
+    assert model.lm_head.weight is model.tgt_embed.weight is model.src_embed.weight
+    assert before.keys() == dict(model.named_parameters()).keys()
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+    for beams, out in expected.items():
+        assert torch.equal(generate(model, src, 10, beams), out), beams
 
 
 def _static_steps(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bool]]:
