@@ -20,11 +20,12 @@ from torch_handle.model.transformer import DecoderCache, Transformer
 def cpu_decoding_layout(model: nn.Module) -> None:
     """Stores every linear weight ``W (out, in)`` column-major, same values and shape, for decoding on a CPU.
 
-    ``F.linear`` multiplies by ``W.t()``; at a decoding step's few rows MKL runs that product 1.3-1.9x faster when
-    ``W.t()`` is contiguous than when it is a transposed view (at a training batch's thousands of rows both take the
-    same time): ``benchmarks/RESULTS.md``. It pays only as a layout kept between calls, for a model that no longer
-    trains, so :class:`torch_handle.Model` sets it once. A weight shared by several modules (tied embeddings) moves
-    once, for all of them. Saving such a weight with safetensors needs ``.contiguous()`` first.
+    ``F.linear`` multiplies by ``W.t()``; at a decoding step's few rows MKL runs that product up to 1.3-1.9x faster
+    when ``W.t()`` is contiguous than when it is a transposed view (at a training batch's thousands of rows both take
+    the same time), and a whole ``generate`` call 1.02-1.08x (``benchmarks/bench_cpu_layout.py``). It pays only as a
+    layout kept between calls, for a model that no longer trains: ``torch_handle.load`` sets it once, unless it
+    compiles. A weight shared by several modules (tied embeddings) moves once, for all of them. Saving such a weight
+    with safetensors needs ``.contiguous()`` first.
     """
     for module in model.modules():
         if isinstance(module, nn.Linear) and module.weight.is_contiguous():
