@@ -62,6 +62,7 @@ TRAINABLE = ["ours", "bart", "marian"]
 NAMES = {"ours": "ours", "bart": "HF BART", "marian": "HF Marian", "ct2-fp32": "CT2 fp32", "ct2-int8": "CT2 int8"}
 LABEL_SMOOTHING = 0.1  # as every shipped config
 DROPOUT = 0.1
+TRAIN_BATCHES = 4  # distinct training batches, cycled
 
 
 @dataclass(frozen=True)
@@ -189,7 +190,7 @@ def _train_child(impl: str, s: Sizes, steps: int, warmup: int, device: str, comp
 
     model = (_our_model(s, no_eos=False) if impl == "ours" else _hf_model(impl, s)).to(device)
     generator = torch.Generator().manual_seed(1)
-    batches = [tuple(t.to(device) for t in _batch(torch, generator, s)) for _ in range(4)]
+    batches = [tuple(t.to(device) for t in _batch(torch, generator, s)) for _ in range(TRAIN_BATCHES)]
     cuda = device == "cuda"
     forward, sums = model, token_sums
 
@@ -666,7 +667,8 @@ def _compiled_training(args: argparse.Namespace) -> str:
         " Compiled training (`--compile-train`): in the same child after the eager steps, the same optimizer going on, "
         "ours as `--model.compile true` compiles it (`torch.compile` of each encoder and decoder layer, and of the "
         "loss), the peers as HF `TrainingArguments(torch_compile=True)` does (`torch.compile(model)`, the loss "
-        f"compiled too); {args.warmup} untimed steps first, in which it compiles."
+        f"compiled too); {max(args.warmup, TRAIN_BATCHES)} untimed steps first (every batch once), in which it "
+        "compiles."
     )
 
 
