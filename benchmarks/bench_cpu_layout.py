@@ -2,11 +2,11 @@
 ``cpu_decoding_layout``) against row-major, as trained.
 
 One process, the two layouts alternating call by call (the order flipping every pair), so that the machine's drift,
-which on a 2-core VM moves a child's figure by 20% between processes, falls on both alike. Each pair's ratio is
-row-major time / column-major time; the table gives their median, how many pairs the layout won, and whether the
-outputs were the same. Two workloads: ``bench_peers``' size (d 256, 3+3 layers, vocabulary 8,000, fresh weights, 16
-sources of 24 tokens, exactly 48 new tokens), and with ``--checkpoint`` and ``--source`` a trained model translating
-real sentences through ``Model.translate``. Prints a table and writes nothing.
+which on a 2-core VM moves a child's figure between processes more than the layout does, falls on both alike. Each
+pair's ratio is row-major time / column-major time; the table gives their median, how many pairs the layout won, and
+whether the outputs were the same. Two workloads: ``bench_peers``' size (d 256, 3+3 layers, vocabulary 8,000, fresh
+weights, 16 sources of 24 tokens, exactly 48 new tokens), and with ``--checkpoint`` and ``--source`` a trained model
+translating real sentences through ``Model.translate``. Prints a table and writes nothing.
 
     python benchmarks/bench_cpu_layout.py --pairs 8
     python benchmarks/bench_cpu_layout.py --checkpoint runs/multi30k --source data/multi30k/test_2016_flickr.en

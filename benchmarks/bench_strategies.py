@@ -49,7 +49,7 @@ log = logging.getLogger("bench_strategies")
 
 ROOT = Path(__file__).resolve().parents[1]
 # case -> (config, extra arguments). The shipped zero3.yaml sets reduce_bucket_size to 5e7 elements; the
-# extra case shows Lightning's default of 2e8, a ZeRO-3 bucket of 763 MiB in fp32, more than this model's state.
+# extra case shows Lightning's default of 2e8, a ZeRO-3 bucket larger in fp32 than this model's whole state.
 CASES = {
     "ddp": ("ddp", []),
     "zero1": ("zero1", []),

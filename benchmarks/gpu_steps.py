@@ -195,7 +195,7 @@ def _strategy_row(name: str, port: int, tmp: Path, setting: Setting) -> list[Any
     failure = ""
     for step, args in steps.items():
         # export in this process: `torch-handle export` is the same function behind argparse, and a launch of its
-        # own cost 20 s of imports beside the others on the H200's host
+        # own would pay its imports again beside the others on the GPU host
         command = _export if step == "export" else functools.partial(_cli, port=port)
         passed, seconds, error = command(args) if not failure else (False, 0.0, "")
         row.append(f"{seconds:.0f} s" if passed else "failed" if not failure else "-")
@@ -544,8 +544,8 @@ def strategy_throughput(setting: Setting, launched: Launched | None = None) -> d
     """The throughput step's model under each strategy config's strategy on one device (its Lightning loop, eager):
     what ZeRO's partitioning and FSDP's sharding cost against DDP before any second device shares the work. Each
     strategy in its own process, so that one's process group and DeepSpeed's engine cannot leak into the next. The
-    processes prepare side by side on the host (imports, the model built on the CPU: 18 s of a 33 s process on the
-    H200; in the suite, while the side-by-side steps run), then each fits alone on the otherwise idle device."""
+    processes prepare side by side on the host (imports, the model built on the CPU: most of a process's time; in the
+    suite, while the side-by-side steps run), then each fits alone on the otherwise idle device."""
     folder, children = launched or _launch_strategies(setting)
     while any(child.poll() is None and not (folder / f"{name}.ready").exists() for name, child in children.items()):
         time.sleep(0.1)
@@ -687,7 +687,7 @@ def long(setting: Setting) -> dict[str, Any]:
 def _long_step(
     model: Any, length: int, target: int, setting: Setting, repeats: int = 10, rows: int = 1
 ) -> tuple[float, float | None]:
-    # the model's own ids, not torch_handle.data's: that package imports Lightning, 10 s of this step on the GPU host
+    # the model's own ids, not torch_handle.data's: that package imports Lightning, slow on the GPU host
     vocab, c = model.config.src_vocab_size, model.config
     src = torch.randint(4, vocab, (rows, length), device=setting.device)
     src[:, -1] = c.eos_id
@@ -832,9 +832,9 @@ def multi30k(setting: Setting, data: Path, epochs: int) -> dict[str, Any]:
         "--trainer.devices=1",
         "--trainer.enable_progress_bar=false",
     ]
-    # Beside the other side-by-side steps (strategies, about 95 s on the H200, is the longest), so that the suite fits
-    # its 9 minutes: Lightning's max_time stops the fit after one minute (about 11 epochs; 18.6 epochs in 1 min 45 s
-    # gave 34.1 BLEU) and the last checkpoint is scored; start-up, tokenizer and scoring took 38 s on the H200.
+    # Beside the other side-by-side steps (strategies is the longest), so that the suite fits its 9 minutes:
+    # Lightning's max_time stops the fit after one minute and the last checkpoint is scored (its BLEU and times:
+    # benchmarks/RESULTS.md, section "GPU suite").
     extra += bench_multi30k.DRY_RUN if setting.dry_run else ["--trainer.max_time=00:00:01:00"]
     seconds = bench_multi30k.fit(data, run, torch.get_num_threads(), extra)
     mark(f"fit: {seconds:.0f} s")
@@ -852,7 +852,7 @@ def multi30k(setting: Setting, data: Path, epochs: int) -> dict[str, Any]:
 
 
 def _imported(*modules: str) -> tuple[()]:
-    """Import ``modules`` now, before the step's turn on the device (Lightning took 13 s on the H200's host)."""
+    """Import ``modules`` now, before the step's turn on the device: Lightning's import is slow on a GPU host."""
     import importlib
 
     for module in modules:

@@ -49,15 +49,14 @@ from common import markdown_table
 ROOT = Path(__file__).resolve().parents[1]
 # step -> seconds it may take on the GPU and in a dry run (a timed step's from its turn). The first three give
 # figures that do not depend on speed (pass/fail, BLEU), so they run side by side; the timed steps then run one at a
-# time on an otherwise idle device. Much of a step's time is start-up (imports: Lightning alone took 13 s on the
-# H200's host; first kernels), which each step's log shows with gpu_steps.mark; the timed steps do theirs beside the
-# side-by-side steps. The whole suite took 545 s on the H200 before that, 391 s since (the issue's goal: 540 s).
+# time on an otherwise idle device. Much of a step's time is start-up (imports, Lightning's above all; first
+# kernels), which each step's log shows with gpu_steps.mark; the timed steps do theirs beside the side-by-side steps.
+# Each step's measured time: benchmarks/RESULTS.md, section "GPU suite", fourth and fifth H200 sessions.
 LIMITS = {
     "gpu_tests": (150, 200),  # flex compiles a kernel per mask
-    "strategies": (180, 300),  # 6 configs side by side, 3 launches and an export each: 93-145 s with 4 launches
-    "multi30k": (180, 300),  # a minute of the recipe (Lightning's max_time), then BLEU: about 100 s
-    "throughput": (210, 120),  # eight loops, four compiling first, a profiled step: 107 s on the H200 (178 s with
-    # its models built on the host)
+    "strategies": (180, 300),  # 6 configs side by side, 3 launches and an export each
+    "multi30k": (180, 300),  # a minute of the recipe (Lightning's max_time), then BLEU
+    "throughput": (210, 120),  # eight loops, four compiling first, a profiled step
     "strategy_throughput": (200, 120),  # six strategies, one process each, prepared side by side
     "long": (100, 120),
     "decoding": (120, 60),  # warm-up dominates: each loop meets every length up to 256 tokens

@@ -209,12 +209,12 @@ def load(
         path: An exported ``.safetensors`` file, a ``.ckpt`` file, a DeepSpeed or FSDP checkpoint folder, or a run
             folder (``--trainer.default_root_dir``: its ``checkpoints/last.ckpt`` is loaded).
         device: Where to decode: ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ... On a GPU greedy decoding and beam search
-            replay each step as a CUDA graph (on an H200, beam 5 ran 2.0x its eager steps).
+            replay each step as a CUDA graph (see benchmarks/RESULTS.md, section "bench_peers on a GPU").
         attention_backend: The attention kernel on this machine (``auto`` picks one).
         compile: On a CPU, greedy and beam-search decoding run a step compiled by ``torch.compile`` with the
             weights frozen in, after a first call that compiles (seconds; again for a new batch size, not for new
-            source lengths). On real Multi30k sentences greedy ran 1.16-1.24x eager and beam 5 1.20-1.25x, at one
-            thread (``benchmarks/RESULTS.md``).
+            source lengths). What it gains: see benchmarks/RESULTS.md, section "`compile=True` on real
+            sentences".
 
     Raises:
         CheckpointError: ``path`` is missing, damaged, or not a model; the message names the file and the fix.

@@ -31,5 +31,6 @@ def token_sums(logits: Tensor, labels: Tensor, pad: int, eps: float) -> tuple[Te
 @functools.cache
 def compiled_token_sums() -> Callable[..., tuple[Tensor, Tensor, Tensor]]:
     """:func:`token_sums` compiled (``--model.compile true``): its passes over the ``(tokens, vocabulary)`` logits fuse,
-    4% of an H100 step of the ~400M model and 2.9 GiB (benchmarks/RESULTS.md, gpu_suite)."""
+    which saves time and memory at a large vocabulary (see benchmarks/RESULTS.md, section "GPU suite", "What each
+    lever gains")."""
     return torch.compile(token_sums)

@@ -37,7 +37,7 @@ class Rouge(Metric):
     def __init__(self, use_stemmer: bool = True) -> None:
         super().__init__()
         self.use_stemmer = use_stemmer
-        from rouge_score import rouge_scorer  # here, not at the top: it imports NLTK (0.5 s), which translation skips
+        from rouge_score import rouge_scorer  # here, not at the top: it imports NLTK (slow), which translation skips
 
         self.scorer = rouge_scorer.RougeScorer(list(ROUGE_KEYS), use_stemmer=use_stemmer)
         for key in ROUGE_KEYS:

@@ -165,8 +165,8 @@ class DeepSpeedStrategy(_SafeFolders, _LightningDeepSpeedStrategy):
     def _format_config(self) -> None:
         """bf16 without DeepSpeed's gradient overflow check, unless the config asks for it: bf16 has fp32's range and
         no loss scale, and ZeRO-2 checked each gradient one by one (two reductions and a test per tensor, then a host
-        sync): 61 of 291 ms of a profiled ~400M-model step on an H200, where ZeRO-2 went from 82% to 96.6% of DDP
-        without it (``benchmarks/RESULTS.md``). A NaN or infinite loss still ends a run (``StopOnDivergence``).
+        sync), host time a GPU step waits on (see benchmarks/RESULTS.md, section "GPU suite", second H200
+        session, "Where ZeRO-2's extra time goes"). A NaN or infinite loss still ends a run (``StopOnDivergence``).
         DeepSpeed versions without the key refuse unknown keys, so they keep their check."""
         super()._format_config()
         from deepspeed.runtime.precision_config import DeepSpeedBF16Config

@@ -20,9 +20,10 @@ from torch_handle.model.transformer import DecoderCache, Transformer
 def cpu_decoding_layout(model: nn.Module) -> None:
     """Stores every linear weight ``W (out, in)`` column-major, same values and shape, for decoding on a CPU.
 
-    ``F.linear`` multiplies by ``W.t()``; at a decoding step's few rows MKL runs that product up to 1.3-1.9x faster
-    when ``W.t()`` is contiguous than when it is a transposed view (at a training batch's thousands of rows both take
-    the same time), and a whole ``generate`` call 1.02-1.08x (``benchmarks/bench_cpu_layout.py``). It pays only as a
+    ``F.linear`` multiplies by ``W.t()``; at a decoding step's few rows MKL runs that product faster when ``W.t()``
+    is contiguous than when it is a transposed view (at a training batch's thousands of rows both take the same
+    time; see benchmarks/RESULTS.md, section "Levers at bench_peers' sizes", and
+    ``benchmarks/bench_cpu_layout.py``). It pays only as a
     layout kept between calls, for a model that no longer trains: ``torch_handle.load`` sets it once, unless it
     compiles. A weight shared by several modules (tied embeddings) moves once, for all of them. Saving such a weight
     with safetensors needs ``.contiguous()`` first.
@@ -44,12 +45,11 @@ class CompiledDecode:
 
     Freezing folds the weights into the compiled code as constants, packed once for MKL's matrix products: at
     decoding's few rows per step those products are most of the time. Inductor's C++ wrapper calls the step's kernels
-    without Python in between. On ``bench_peers``' model, every sentence running to the cache's full length, greedy
-    decoding ran 1.3-1.5x faster on one CPU thread and beam search 1.1-1.2x (``benchmarks/RESULTS.md``). The step
-    attends over the positions written only (:meth:`DecoderCache.attend_written`, a dynamic length), but it keeps
-    finished rows, so greedy decoding and beam search hand a batch over to the eager cache once half its rows (or
-    sources) have finished. On real Multi30k sentences (``max_new_tokens`` 96) greedy then ran 1.16-1.24x eager
-    decoding and beam 5 1.20-1.25x (0.91x and 0.56x with neither).
+    without Python in between. The step attends over the positions written only
+    (:meth:`DecoderCache.attend_written`, a dynamic length), but it keeps finished rows, so greedy decoding and beam
+    search hand a batch over to the eager cache once half its rows (or sources) have finished. What it gains: see
+    benchmarks/RESULTS.md, sections "bench_peers: ours vs Hugging Face BART / Marian and CTranslate2" and
+    "`compile=True` on real sentences".
 
     What it costs: each batch size compiles two steps (the first, which fills the cache, and the rest; seconds each);
     source lengths are dynamic from the first call, so a new one compiles nothing. Up to 32 compiled steps are
@@ -222,7 +222,7 @@ def _dynamic_greedy(
     done = False
     for step in range(start, out.shape[1]):
         logits = next_token_logits(model.decode(token, memory, memory_padding, cache), c.pad_id, c.bos_id)
-        token = logits.max(dim=-1, keepdim=True).indices  # (b, 1); 3x faster than argmax on CPU, same ties
+        token = logits.max(dim=-1, keepdim=True).indices  # (b, 1); faster than argmax on CPU, same ties
         if not done:
             out[rows, step] = token[:, 0]
             running = token[:, 0] != c.eos_id

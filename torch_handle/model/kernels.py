@@ -36,9 +36,9 @@ class BackendUnavailableError(RuntimeError):
 
 def decoding_kernels() -> AbstractContextManager[None]:
     """SDPA's kernels while decoding: all but cuDNN's. On Hopper SDPA picks cuDNN's attention for every shape, and
-    cuDNN builds an execution plan for each new one (about 45 ms on an H200); decoding meets a new key length at
-    every step and new batch and source sizes with every batch (``benchmarks/RESULTS.md``: 13.9 s of a first call to
-    256 tokens). Training, at few shapes, keeps cuDNN's kernels."""
+    cuDNN builds an execution plan for each new one; decoding meets a new key length at every step and new batch
+    and source sizes with every batch, so the plans cost more than the kernel saves (see benchmarks/RESULTS.md,
+    section "GPU suite", fourth H200 session). Training, at few shapes, keeps cuDNN's kernels."""
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
@@ -143,9 +143,9 @@ def _compiled_block_mask() -> Callable[..., object]:
 # block. Compiling costs seconds per new shape, so only large grids (long inputs) take that path.
 _COMPILE_BLOCK_MASK_AT = 2**24
 # On CPU flex runs eagerly: Inductor's CPU flex kernel returns wrong numbers at some lengths (24, 40, 104, 120
-# in torch 2.13), and eager flex is exact. Eager flex writes out the (B, H, Tq, Tk) scores, about 1 GiB at
-# peak for 2**26 of them (4096 x 4096, 4 heads), so larger calls are refused there rather than run out of
-# memory; sdpa's blocked local attention handles them in O(S * window).
+# in torch 2.13), and eager flex is exact. Eager flex writes out the (B, H, Tq, Tk) scores, so calls over 2**26 of
+# them (4096 x 4096, 4 heads) are refused there rather than run out of memory; sdpa's blocked local attention
+# handles them in O(S * window).
 _CPU_FLEX_MAX_SCORES = 2**26
 
 

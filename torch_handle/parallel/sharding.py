@@ -59,9 +59,8 @@ def apply_fully_shard_stages(stages: list[StageModule], mesh: DeviceMesh) -> lis
 def set_zero3_units(model: nn.Module) -> int:
     """Makes each encoder and decoder layer in ``model`` one unit of DeepSpeed ZeRO-3 (a "leaf module"), as
     :func:`apply_fully_shard` does for FSDP2; returns how many. Left alone, ZeRO-3 gathers and releases parameters in
-    Python hooks around every submodule: with 24 layers of eight modules, a ~400M model's step ran at 48.9% of DDP's
-    tokens/s on an H200, and at 77.8% with one unit per layer (``benchmarks/RESULTS.md``). Call before
-    ``deepspeed.initialize``, which installs the hooks."""
+    Python hooks around every submodule, whose host time a GPU step waits on (see benchmarks/RESULTS.md, section
+    "GPU suite", rows zero3 and zero3_submodules). Call before ``deepspeed.initialize``, which installs the hooks."""
     from deepspeed.utils import set_z3_leaf_modules
 
     units = (EncoderLayer, DecoderLayer)
