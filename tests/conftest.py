@@ -83,7 +83,10 @@ def corpus_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CorpusSe
 
     Multi30k's train, val and test_2016_flickr are gzipped as the official repository has them (so their
     pinned checksums verify); QMSum's val and SQuALITY's train and dev are rebuilt as official records with only
-    the fields the converters read (their bytes differ from the official files, their conversions do not).
+    the fields the converters read (their bytes differ from the official files, their conversions to the general
+    query and plot files do not). The shared data holds one query a meeting and one question a story, so each
+    meeting also gets the specific queries and each story the other four questions of :func:`specific_queries`
+    and :func:`other_questions`.
     """
     if not SHARED_DATA.is_dir():
         pytest.skip(f"shared data directory {SHARED_DATA} is absent")
@@ -95,6 +98,7 @@ def corpus_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CorpusSe
     meetings = [
         {
             "general_query_list": [{"query": row["query"], "answer": row["summary"]}],
+            "specific_query_list": specific_queries(row),
             "meeting_transcripts": [dict(zip(("speaker", "content"), turn.split(": ", 1), strict=True))
                                     for turn in row["document"].split("\n")],
         }
@@ -108,8 +112,13 @@ def corpus_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CorpusSe
                 "metadata": {"passage_id": row["id"]},
                 "document": row["document"],
                 "questions": [  # the plot question is number 1, not necessarily first
-                    {"question_number": 2, "responses": [{"response_text": "not a plot summary"}]},
-                    {"question_number": 1, "responses": [{"response_text": text} for text in row["summaries"]]},
+                    *other_questions(row)[:1],
+                    {
+                        "question_text": PLOT_QUESTION,
+                        "question_number": 1,
+                        "responses": [{"response_text": text} for text in row["summaries"]],
+                    },
+                    *other_questions(row)[1:],
                 ],
             }
             for row in _rows(SHARED_DATA / "squality" / f"{split}_plot.jsonl")
@@ -144,6 +153,32 @@ def corpus_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CorpusSe
     httpd.shutdown()
     httpd.server_close()
     thread.join()
+
+
+PLOT_QUESTION = "What is the plot of the story?"
+
+
+def specific_queries(meeting: dict) -> list[dict]:
+    """Two query-focused questions about a QMSum meeting (a row of the shared ``val.jsonl``), in the official
+    records' form: each answered by one of the meeting's turns."""
+    turns = meeting["document"].split("\n")
+    return [
+        {"query": f"What did {turn.split(': ', 1)[0]} say in turn {i}?", "answer": turn.split(": ", 1)[1]}
+        for i, turn in ((i, turns[i]) for i in (0, len(turns) // 2))
+    ]
+
+
+def other_questions(story: dict) -> list[dict]:
+    """SQuALITY's questions 2 to 5 for a story (a row of the shared ``*_plot.jsonl``), in the official records'
+    form, each with four responses."""
+    return [
+        {
+            "question_text": f"Question {n} about {story['id']}?",
+            "question_number": n,
+            "responses": [{"response_text": f"Answer {k} to question {n}."} for k in range(1, 5)],
+        }
+        for n in (3, 2, 5, 4)  # not in question order
+    ]
 
 
 def _rows(path: Path) -> list[dict]:

@@ -334,6 +334,37 @@ def test_summarization_predict_accepts_json_lines_and_plain_text(tmp_path: Path)
         assert sorted(t for b in dm.predict_dataloader() for t in b["src_text"]) == sorted(expected)
 
 
+def test_summarization_reads_a_query_before_the_document_and_every_reference(tmp_path: Path) -> None:
+    rows = [
+        {
+            "query": "Who won?",
+            "document": " The red team won. ",
+            "summaries": ["Red won.", "The reds."],
+            "summary": "x",
+        },
+        {"query": "Why?", "document": "It rained.", "summary": "Rain."},  # one reference: the summary
+    ]
+    test = _write_jsonl(tmp_path / "test.jsonl", rows)
+    dm = SummarizationDataModule(train_file=str(test), test_file=str(test), query_field="query", bpe_vocab_size=300)
+    dm.setup("test")
+    (batch,) = dm.test_dataloader()
+    by_source = dict(zip(batch["src_text"], batch["references"], strict=True))
+    assert by_source == {"Who won?\n\nThe red team won.": ["Red won.", "The reds."], "Why?\n\nIt rained.": ["Rain."]}
+    assert sorted(batch["tgt_text"]) == ["Rain.", "x"]  # trained on (and the loss read from) the summary field
+    assert dm.summary_ratio() == pytest.approx((1 / len("Who won?\n\nThe red team won.") + 5 / 16) / 2)
+
+    bad = _write_jsonl(tmp_path / "bad.jsonl", [rows[1], rows[0] | {"summaries": ["ok", 3]}])
+    dm = SummarizationDataModule(train_file=str(test), test_file=str(bad), query_field="query", bpe_vocab_size=300)
+    with pytest.raises(DataError) as err:
+        dm.setup("test")
+    _assert_one_line_error(err, f"{bad}:2: field 'summaries' must be a non-empty list of strings")
+    no_query = _write_jsonl(tmp_path / "no_query.jsonl", [{"document": "d", "summary": "s"}])
+    dm = SummarizationDataModule(train_file=str(test), test_file=str(no_query), query_field="query", bpe_vocab_size=300)
+    with pytest.raises(DataError) as err:
+        dm.setup("test")
+    _assert_one_line_error(err, f"{no_query}:1: no field 'query'", "--data.query_field")
+
+
 class _EpochRecorder(pl.LightningModule):
     """Records the first batch of each training epoch, to see that Lightning advances the sampler's epoch."""
 

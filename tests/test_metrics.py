@@ -15,8 +15,8 @@ import torch
 from rouge_score import rouge_scorer
 from torchmetrics.text import SacreBLEUScore
 
-from torch_handle.data import TranslationDataModule
-from torch_handle.metrics import ROUGE_KEYS, Rouge, split_sentences
+from torch_handle.data import SummarizationDataModule, TranslationDataModule
+from torch_handle.metrics import ROUGE_KEYS, Rouge, geometric_mean, lead, naive, rouge_line, split_sentences
 from torch_handle.model import TransformerConfig
 from torch_handle.module import Seq2SeqModule
 
@@ -192,6 +192,112 @@ def test_rouge_ddp_sync_reduces_states_by_sum(rouge_data: Path) -> None:
     metric.distributed_available_fn = lambda: True  # compute() syncs as under DDP, then restores local state
     _assert_rouge(metric.compute(), _mean(_per_pair(pairs)))
     assert metric.count.item() == 2  # unsynced again after compute
+
+
+# --- several references, the geometric mean, the baselines --------------------------------------------------
+
+
+def test_several_references_take_each_variants_best_reference() -> None:
+    prediction = "the cat sat on the mat"
+    references = ["the mat the cat sat on", "cat sat on mat", "the dog sat on the cat mat"]
+    metric = Rouge()
+    metric.update([prediction], [references])
+    result = {key: round(value.item(), 4) for key, value in metric.compute().items()}
+    # ROUGE-1/2 from the first reference, ROUGE-L/Lsum from the second, as SQuALITY's multi_rouge takes them
+    assert result == {"rouge1": 1.0, "rouge2": 0.8, "rougeL": 0.8, "rougeLsum": 0.8}
+    single = Rouge()
+    single.update([prediction, prediction], [[references[1]], references[1]])  # one reference: as before
+    assert single.compute()["rouge1"].item() == pytest.approx(0.8)
+    with pytest.raises(ValueError, match="no reference"):
+        metric.update([prediction], [[]])
+
+
+def test_geometric_mean_is_scrolls_figure_of_rouge_1_2_and_l() -> None:
+    scores = {key: torch.tensor(value) for key, value in zip(ROUGE_KEYS, (0.4, 0.1, 0.2, 0.9), strict=True)}
+    assert geometric_mean(scores).item() == pytest.approx(0.2)  # (0.4 * 0.1 * 0.2) ** (1/3); Lsum left out
+    published = {"rouge1": torch.tensor(14.2), "rouge2": torch.tensor(2.0), "rougeL": torch.tensor(9.3)}
+    assert geometric_mean(published).item() == pytest.approx(6.416, abs=1e-3)  # SCROLLS's QMSum naive
+
+
+def test_naive_is_the_inputs_first_characters_and_lead_its_first_words() -> None:
+    text = "Who spoke?\n\nA: hi there"  # 22 characters: the query, a blank line, the transcript
+    assert naive(text, 0.5) == "Who spoke?\n"  # the first 11
+    assert naive(text, 0.2) == "Who "  # int(4.4)
+    assert naive(text, 1.0) == text
+    assert lead(text, 3) == "Who spoke? A:"
+    assert lead("one", 3) == "one"
+
+
+def test_rouge_line_prints_every_logged_variant_and_the_geometric_mean() -> None:
+    logged = {f"test/naive_{key}": torch.tensor(10.0 + i) for i, key in enumerate((*ROUGE_KEYS, "rougeGM"))}
+    assert rouge_line("naive", logged, "test/naive_") == (
+        "naive: ROUGE-1 10.00  ROUGE-2 11.00  ROUGE-L 12.00  ROUGE-Lsum 13.00  GM 14.00"
+    )
+    assert rouge_line("model", logged, "test/") is None
+
+
+def _summaries(path: Path, rows: list[tuple[str, str, list[str]]]) -> Path:
+    lines = (json.dumps({"query": q, "document": d, "summaries": refs, "summary": refs[0]}) for q, d, refs in rows)
+    path.write_text("".join(f"{line}\n" for line in lines), encoding="utf-8")
+    return path
+
+
+def test_test_scores_the_model_lead_and_naive_against_every_reference_on_0_100(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    train = [("What happened?", "The cat sat on the mat. Then it slept all day long.", ["A cat slept."])] * 2
+    test = [
+        ("Who came?", "Two friends came over. They talked about the rain.", ["Two friends came.", "Friends visited."]),
+        ("What did they eat?", "They ate soup at noon and bread later on.", ["Soup at noon.", "They had soup."]),
+    ]
+    data = SummarizationDataModule(
+        train_file=str(_summaries(tmp_path / "train.jsonl", train)),
+        test_file=str(_summaries(tmp_path / "test.jsonl", test)),
+        query_field="query",
+        bpe_vocab_size=300,
+    )
+    module = Seq2SeqModule(
+        TransformerConfig(d_model=32, num_heads=2, d_ff=64),
+        vocab_size=data.vocab_size,
+        task="summarization",
+        lead_words=4,
+    )
+    module.decode_batch = lambda batch, memory=None: [doc.split("\n\n")[1] for doc in batch["src_text"]]
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, use_distributed_sampler=False)
+    with caplog.at_level(logging.INFO):
+        (metrics,) = trainer.test(module, datamodule=data, verbose=False)
+    ratio = len("A cat slept.") / len("What happened?\n\nThe cat sat on the mat. Then it slept all day long.")
+    inputs = [f"{q}\n\n{d}" for q, d, _ in test]
+    outputs = {
+        "": [d for _, d, _ in test],
+        "lead_": [lead(i, 4) for i in inputs],
+        "naive_": [naive(i, ratio) for i in inputs],
+    }
+    scorer = rouge_scorer.RougeScorer(list(ROUGE_KEYS), use_stemmer=True)
+    for prefix, predictions in outputs.items():
+        want = {}
+        for key in ROUGE_KEYS:
+            best = [
+                max(scorer.score(split_sentences(r), split_sentences(p))[key].fmeasure for r in refs)
+                for p, (_, _, refs) in zip(predictions, test, strict=True)
+            ]
+            want[key] = 100 * sum(best) / len(best)
+            assert metrics[f"test/{prefix}{key}"] == pytest.approx(want[key], abs=1e-4), prefix + key
+        gm = (want["rouge1"] * want["rouge2"] * want["rougeL"]) ** (1 / 3)
+        assert metrics[f"test/{prefix}rougeGM"] == pytest.approx(gm, abs=1e-4), prefix
+    assert 0 < metrics["test/naive_rouge1"] < metrics["test/rouge1"]
+    model, lead_line, naive_line, signature = module.summary(trainer.callback_metrics, "test")
+    assert model.startswith(f"model: ROUGE-1 {metrics['test/rouge1']:.2f}  ROUGE-2 ")
+    assert lead_line.startswith(f"Lead-4 baseline: ROUGE-1 {metrics['test/lead_rouge1']:.2f}  ")
+    assert naive_line == (
+        f"naive baseline (SCROLLS: the input's first {100 * ratio:.2f}% of characters): "
+        + "  ".join(
+            f"{label} {metrics[f'test/naive_{key}']:.2f}"
+            for key, label in zip((*ROUGE_KEYS, "rougeGM"), ("ROUGE-1", "ROUGE-2", "ROUGE-L", "ROUGE-Lsum", "GM"))
+        )
+    )
+    assert "each document's best reference (max, as SQuALITY)" in signature and "GM = (R1*R2*RL)^(1/3)" in signature
+    assert "naive_rougeGM" in caplog.text  # the epoch-end line names the metrics as logged
 
 
 # --- sacreBLEU ---------------------------------------------------------------------------------------------

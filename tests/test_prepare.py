@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
+import json
 import logging
 import math
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import SHARED_DATA, CorpusServer
+from conftest import PLOT_QUESTION, SHARED_DATA, CorpusServer, other_questions, specific_queries
 
 from tests.helpers import RUN_TIMEOUT, env, fit_args, free_port, train_losses
 from torch_handle.cli import main as cli_main
@@ -142,33 +144,80 @@ def test_an_interrupted_run_keeps_what_it_verified_and_the_next_fetches_the_rest
         assert (folder / name).read_bytes() == (SHARED_DATA / "multi30k" / name).read_bytes()
 
 
+def _qmsum_queries(split: str) -> list[dict]:
+    """Every query of each shared meeting as SCROLLS poses QMSum: the general query, then the specific ones."""
+    rows = []
+    for i, meeting in enumerate(_shared_rows("qmsum", f"{split}.jsonl")):
+        queries = [(meeting["query"], meeting["summary"])] + [
+            (q["query"], q["answer"]) for q in specific_queries(meeting)
+        ]
+        rows += [
+            {"id": f"qmsum-{split}-{i}-{j}", "query": query, "document": meeting["document"], "summary": answer}
+            for j, (query, answer) in enumerate(queries)
+        ]
+    return rows
+
+
+def _squality_questions(split: str) -> list[dict]:
+    """Each shared story's five questions in question order, each with its four references."""
+    rows = []
+    for story in _shared_rows("squality", f"{split}_plot.jsonl"):
+        questions = [(1, PLOT_QUESTION, story["summaries"])] + sorted(
+            (q["question_number"], q["question_text"], [r["response_text"] for r in q["responses"]])
+            for q in other_questions(story)
+        )
+        rows += [
+            {"id": f"{story['id']}-{n}", "query": text, "document": story["document"], "summaries": refs}
+            | {"summary": refs[0]}
+            for n, text, refs in questions
+        ]
+    return rows
+
+
+def _shared_rows(corpus: str, name: str) -> list[dict]:
+    return [json.loads(line) for line in (SHARED_DATA / corpus / name).read_text(encoding="utf-8").splitlines()]
+
+
 @pytest.mark.parametrize(
-    ("corpus", "splits", "names"),
+    ("corpus", "splits", "names", "queries"),
     [
-        ("qmsum", ["val"], ["val.jsonl", "LICENSE"]),
-        ("squality", ["train", "dev"], ["train_plot.jsonl", "dev_plot.jsonl", "LICENSE_summaries_CC-BY-4.0"]),
+        ("qmsum", ["val"], ["val.jsonl", "LICENSE"], _qmsum_queries),
+        ("squality", ["train", "dev"], ["train_plot.jsonl", "dev_plot.jsonl", "LICENSE_summaries_CC-BY-4.0"],
+         _squality_questions),
     ],
-)
+)  # fmt: skip
 def test_summarization_corpora_are_flattened_to_the_json_lines_the_datamodule_reads(
     corpus: str,
     splits: list[str],
     names: list[str],
+    queries: Callable[[str], list[dict]],
     corpus_server: CorpusServer,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # The served records hold only the fields the converter reads, so their conversions are pinned here by
-    # the shared files' checksums; the licences are served as the official bytes and keep their real pins.
+    # The served records hold only the fields the converters read, so their conversions are pinned here: the one
+    # summary a document by the shared files' checksums, every query by its conversion's; the licences are served
+    # as the official bytes and keep their real pins.
     official = corpora.CORPORA[corpus]
-    pinned = {f.name: f for f in official.files}
     expected = {name: (SHARED_DATA / corpus / name).read_bytes() for name in names}
-    for name in names:
-        if name.endswith(".jsonl"):
-            pinned[name] = dataclasses.replace(pinned[name], sha256=corpora.digest(expected[name]))
-    monkeypatch.setitem(corpora.CORPORA, corpus, dataclasses.replace(official, files=tuple(pinned.values())))
+    files = []
+    for f in official.files:
+        if f.name in expected and f.name.endswith(".jsonl"):
+            f = dataclasses.replace(f, sha256=corpora.digest(expected[f.name]))
+        elif f.name.endswith("_all.jsonl") and f.split in splits:
+            served = (corpus_server.root / corpus / f.source).read_bytes()
+            f = dataclasses.replace(f, sha256=corpora.digest(f.convert(served), f.ordered))
+        files.append(f)
+    monkeypatch.setitem(corpora.CORPORA, corpus, dataclasses.replace(official, files=tuple(files)))
     main([corpus, "--mirror", f"{corpus_server.url}/{corpus}", "--out", str(tmp_path), "--splits", *splits])
     for name in names:
         assert (tmp_path / corpus / name).read_bytes() == expected[name], name
+    for split in splits:  # every query (general, then specific) or question (in order) with its references
+        written = (tmp_path / corpus / f"{split}_all.jsonl").read_text(encoding="utf-8").splitlines()
+        want = queries(split)
+        documents = _shared_rows(corpus, f"{split}.jsonl" if corpus == "qmsum" else f"{split}_plot.jsonl")
+        assert len(want) == (3 if corpus == "qmsum" else 5) * len(documents)  # each meeting's 3 queries, story's 5
+        assert [json.loads(line) for line in written] == want, split
 
 
 def test_the_pinned_multi30k_checksums_are_those_of_the_shared_files() -> None:

@@ -23,6 +23,7 @@ RUNTIME = frozenset(
         "max_new_tokens",
         "generate_every_n_val_epochs",
         "lead_words",
+        "naive_ratio",
         "chunk_overlap",
         "transformer.attention_backend",
         "transformer.activation_checkpointing",

@@ -8,14 +8,23 @@ the accumulation across batches and the sum over DDP ranks to torchmetrics.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from importlib.metadata import version
+from typing import Any
 
 import torch
 from sacrebleu.metrics import BLEU
 from torchmetrics import Metric
 
 ROUGE_KEYS = ("rouge1", "rouge2", "rougeL", "rougeLsum")
+GEOMETRIC_MEAN = "rougeGM"  # SCROLLS's single figure per data set: the geometric mean of ROUGE-1, ROUGE-2 and ROUGE-L
+LABELS = {
+    "rouge1": "ROUGE-1",
+    "rouge2": "ROUGE-2",
+    "rougeL": "ROUGE-L",
+    "rougeLsum": "ROUGE-Lsum",
+    GEOMETRIC_MEAN: "GM",
+}
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
 
@@ -24,8 +33,27 @@ def split_sentences(text: str) -> str:
     return "\n".join(s for s in _SENTENCE_END.split(text.strip()) if s)
 
 
+def geometric_mean(scores: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The geometric mean of ROUGE-1, ROUGE-2 and ROUGE-L (each a corpus mean), SCROLLS's score for a data set."""
+    return (scores["rouge1"] * scores["rouge2"] * scores["rougeL"]) ** (1 / 3)
+
+
+def lead(document: str, words: int) -> str:
+    """The Lead baseline: the document's first ``words`` words."""
+    return " ".join(document.split()[:words])
+
+
+def naive(document: str, ratio: float) -> str:
+    """SCROLLS's naive baseline: the input's first ``ratio * len(input)`` characters, where SCROLLS sets ``ratio`` to
+    the training set's mean summary-to-input length ratio in characters."""
+    return document[: int(ratio * len(document))]
+
+
 class Rouge(Metric):
-    """Mean ROUGE-1/2/L/Lsum F-measure over all (prediction, reference) pairs seen.
+    """Mean over documents of the ROUGE-1/2/L/Lsum F-measure against each document's best-matching reference.
+
+    With several references per document (SQuALITY has four), each ROUGE variant takes the highest F-measure over
+    the references, as SQuALITY's ``multi_rouge`` does; with one it is plain ROUGE.
 
     Args:
         use_stemmer: Porter-stem tokens before matching, as ROUGE-1.5.5's ``-m``.
@@ -44,11 +72,15 @@ class Rouge(Metric):
             self.add_state(key, default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("count", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
 
-    def update(self, predictions: Sequence[str], references: Sequence[str]) -> None:
-        for prediction, reference in zip(predictions, references, strict=True):
-            scores = self.scorer.score(split_sentences(reference), split_sentences(prediction))
+    def update(self, predictions: Sequence[str], references: Sequence[str | Sequence[str]]) -> None:
+        """Scores each prediction against its reference, or its best-matching one of a sequence of references."""
+        for prediction, options in zip(predictions, references, strict=True):
+            options = [options] if isinstance(options, str) else options
+            if not options:
+                raise ValueError("a prediction has no reference to score against")
+            scores = [self.scorer.score(split_sentences(r), split_sentences(prediction)) for r in options]
             for key in ROUGE_KEYS:
-                setattr(self, key, getattr(self, key) + scores[key].fmeasure)
+                setattr(self, key, getattr(self, key) + max(score[key].fmeasure for score in scores))
         self.count += len(predictions)
 
     def compute(self) -> dict[str, torch.Tensor]:
@@ -59,7 +91,27 @@ class Rouge(Metric):
     def signature(self) -> str:
         """How the scores were computed, to print beside them as sacreBLEU's signature is printed beside BLEU."""
         stemmer = "Porter stemmer" if self.use_stemmer else "no stemmer"
-        return f"rouge-score {version('rouge-score')}, mean F1, {stemmer}, Lsum over sentences split at .!?"
+        return (
+            f"rouge-score {version('rouge-score')}, mean F1, {stemmer}, each document's best reference (max, as "
+            "SQuALITY), Lsum over sentences split at .!?, GM = (R1*R2*RL)^(1/3) as SCROLLS"
+        )
+
+
+def baseline_labels(lead_words: int, naive_ratio: float | None) -> dict[str, str]:
+    """The printed names of the baselines by their metric prefix: Lead, and naive when it has a ratio."""
+    labels = {"lead_": f"Lead-{lead_words} baseline"}
+    if naive_ratio is not None:
+        labels["naive_"] = f"naive baseline (SCROLLS: the input's first {100 * naive_ratio:.2f}% of characters)"
+    return labels
+
+
+def rouge_line(label: str, logged: Mapping[str, Any], prefix: str) -> str | None:
+    """``label: ROUGE-1 .. ROUGE-2 .. ROUGE-L .. ROUGE-Lsum .. GM ..`` from the scores ``logged`` as ``{prefix}rouge1``
+    and so on (0-100); None when none of them was logged."""
+    names = [name for name in LABELS if f"{prefix}{name}" in logged]
+    if not names:
+        return None
+    return f"{label}: " + "  ".join(f"{LABELS[name]} {float(logged[prefix + name]):.2f}" for name in names)
 
 
 def bleu_signature(tokenize: str, lowercase: bool = False) -> str:

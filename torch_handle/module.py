@@ -25,7 +25,16 @@ from torch_handle.data.resume import finish_saved_epoch
 from torch_handle.errors import SetupError
 from torch_handle.hierarchical import summarize
 from torch_handle.loss import compiled_token_sums, token_sums
-from torch_handle.metrics import ROUGE_KEYS, Rouge, bleu_signature
+from torch_handle.metrics import (
+    GEOMETRIC_MEAN,
+    Rouge,
+    baseline_labels,
+    bleu_signature,
+    geometric_mean,
+    lead,
+    naive,
+    rouge_line,
+)
 from torch_handle.model import ConfigError, Transformer, TransformerConfig, generate
 from torch_handle.optim import parameter_groups, warmup_cosine
 from torch_handle.parallel import (
@@ -52,8 +61,9 @@ BLEU_TOKENIZE = "13a"  # sacreBLEU's default tokenizer, the one WMT results are 
 
 
 def _percent(value: Tensor | dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
-    """BLEU (a tensor) or ROUGE (a dict) on the 0-100 scale that sacreBLEU and papers report."""
-    scores = value if isinstance(value, dict) else {"bleu": value}
+    """BLEU (a tensor) or ROUGE (a dict, given its geometric mean) on the 0-100 scale that sacreBLEU and papers
+    report."""
+    scores = value | {GEOMETRIC_MEAN: geometric_mean(value)} if isinstance(value, dict) else {"bleu": value}
     return {f"{prefix}{name}": 100 * score.float() for name, score in scores.items()}
 
 
@@ -68,7 +78,8 @@ class Seq2SeqModule(L.LightningModule):
         transformer: Model hyper-parameters. Its vocabulary sizes are replaced by ``vocab_size``.
         vocab_size: Size of the joint source/target vocabulary; the CLI links it from the data module's
             tokenizer, so it is never typed twice.
-        task: ``translation`` reports sacreBLEU, ``summarization`` ROUGE-1/2/L/Lsum F1, both 0-100 as papers do;
+        task: ``translation`` reports sacreBLEU, ``summarization`` ROUGE-1/2/L/Lsum F1 and the geometric mean of
+            ROUGE-1/2/L (``rougeGM``, SCROLLS's figure), both 0-100 as papers do;
             ``test`` also prints them (BLEU with its sacreBLEU signature). Loss and perplexity are per target token
             over the whole set.
         label_smoothing: Label smoothing of the cross entropy (the paper uses 0.1). The optimizer minimises the
@@ -86,6 +97,10 @@ class Seq2SeqModule(L.LightningModule):
             0 never decodes in validation. Test always decodes.
         lead_words: Summarization ``test`` also scores the Lead baseline, the document's first
             ``lead_words`` words, as ``test/lead_rouge*``: every ROUGE figure gets a reference beside it.
+        naive_ratio: Summarization ``test`` also scores SCROLLS's naive baseline, the input's first
+            ``naive_ratio * len(input)`` characters, as ``test/naive_rouge*``. None takes SCROLLS's ratio, the
+            training pairs' mean summary-to-input length ratio in characters, from ``--data.train_file``; without
+            that file the naive baseline is skipped.
         chunk_overlap: Summarization documents longer than ``--data.max_source_tokens`` are summarized
             hierarchically (see :func:`torch_handle.summarize`) in windows that share this many tokens.
         context_parallel: Processes that share each batch and split its sources (1 = off): each encodes
@@ -114,6 +129,7 @@ class Seq2SeqModule(L.LightningModule):
         max_new_tokens: int = 128,
         generate_every_n_val_epochs: int = 1,
         lead_words: int = 100,
+        naive_ratio: float | None = None,
         chunk_overlap: int = 256,
         context_parallel: int = 1,
         compile: bool = False,
@@ -130,6 +146,7 @@ class Seq2SeqModule(L.LightningModule):
             ("max_new_tokens", max_new_tokens, max_new_tokens >= 1, ">= 1"),
             ("generate_every_n_val_epochs", generate_every_n_val_epochs, generate_every_n_val_epochs >= 0, ">= 0"),
             ("lead_words", lead_words, lead_words >= 1, ">= 1"),
+            ("naive_ratio", naive_ratio, naive_ratio is None or 0 < naive_ratio <= 1, "in (0, 1] or None"),
             ("chunk_overlap", chunk_overlap, chunk_overlap >= 0, ">= 0"),
             ("context_parallel", context_parallel, context_parallel >= 1, ">= 1"),
         ):
@@ -150,6 +167,7 @@ class Seq2SeqModule(L.LightningModule):
         self.config = config
         self.eval_metrics = torch.nn.ModuleDict({stage: self._new_metrics(stage) for stage in ("val", "test")})
         self._decoded: set[str] = set()  # stages that decoded in their current epoch
+        self._naive_ratio: float | None = None  # this test's naive-baseline ratio (see ``naive_ratio``)
         self._parallelized = False  # configure_model applied the parallelisation plans
         self._pipeline: Pipeline | None = None  # this process's pipeline stages, under pipeline parallelism
 
@@ -159,6 +177,7 @@ class Seq2SeqModule(L.LightningModule):
         metrics["score"] = SacreBLEUScore(tokenize=BLEU_TOKENIZE) if self.hparams.task == "translation" else Rouge()
         if stage == "test" and self.hparams.task == "summarization":
             metrics["lead"] = Rouge()
+            metrics["naive"] = Rouge()
         for metric in metrics.values():
             metric.set_dtype(torch.float64)  # corpus sums over many batches
         return torch.nn.ModuleDict(metrics)
@@ -365,14 +384,17 @@ class Seq2SeqModule(L.LightningModule):
         per_token = tokens.clamp(min=1)
         metrics["objective"].update(loss_sum / per_token, weight=tokens)  # weighted by tokens: the corpus mean
         metrics["nll"].update(nll_sum / per_token, weight=tokens)
+        references = batch.get("references", batch["tgt_text"])  # every reference of each document, when several
         if predictions is not None:
-            references = batch["tgt_text"]
             scorer = metrics["score"]
-            scorer.update(predictions, [[r] for r in references] if isinstance(scorer, SacreBLEUScore) else references)
+            if isinstance(scorer, SacreBLEUScore):
+                scorer.update(predictions, [[r] for r in batch["tgt_text"]])
+            else:
+                scorer.update(predictions, references)
         if stage == "test" and "lead" in metrics:
-            lead_words = self.hparams.lead_words
-            leads = [" ".join(doc.split()[:lead_words]) for doc in batch["src_text"]]
-            metrics["lead"].update(leads, batch["tgt_text"])
+            metrics["lead"].update([lead(doc, self.hparams.lead_words) for doc in batch["src_text"]], references)
+            if self._naive_ratio is not None:
+                metrics["naive"].update([naive(doc, self._naive_ratio) for doc in batch["src_text"]], references)
 
     @override
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
@@ -391,6 +413,15 @@ class Seq2SeqModule(L.LightningModule):
     @override
     def on_test_epoch_start(self) -> None:
         self._start_epoch("test")
+        if self.hparams.task == "summarization":
+            self._naive_ratio = self.hparams.naive_ratio
+            ratio_of = getattr(getattr(self.trainer, "datamodule", None), "summary_ratio", None)
+            if self._naive_ratio is None and ratio_of is not None:
+                self._naive_ratio = ratio_of()
+            if self._naive_ratio is None:
+                rank_zero_info(
+                    "test: no naive baseline: no training file to take its ratio from; set --model.naive_ratio"
+                )
 
     def _start_epoch(self, stage: str) -> None:
         """Fresh metric states, made under this loop's grad mode: states left by ``trainer.validate`` (inference
@@ -413,6 +444,8 @@ class Seq2SeqModule(L.LightningModule):
             scores = _percent(metrics["score"].compute(), f"{stage}/")
             if "lead" in metrics:
                 scores |= _percent(metrics["lead"].compute(), f"{stage}/lead_")
+            if "naive" in metrics and self._naive_ratio is not None:  # the same on every rank: compute syncs
+                scores |= _percent(metrics["naive"].compute(), f"{stage}/naive_")
             values |= scores
             signature = f" ({bleu_signature(BLEU_TOKENIZE)})" if self.hparams.task == "translation" else ""
             printed = ", ".join(f"{k.removeprefix(stage + '/')} {float(v):.2f}" for k, v in scores.items())
@@ -427,15 +460,9 @@ class Seq2SeqModule(L.LightningModule):
             return []
         if self.hparams.task == "translation":
             return [f"BLEU {float(logged[f'{stage}/bleu']):.2f}  (sacreBLEU {bleu_signature(BLEU_TOKENIZE)})"]
-        lines = []
-        for prefix, label in (("", "model"), ("lead_", f"Lead-{self.hparams.lead_words} baseline")):
-            names = [name for name in ROUGE_KEYS if f"{stage}/{prefix}{name}" in logged]
-            if names:
-                printed = "  ".join(
-                    f"ROUGE-{name[5:]} {float(logged[f'{stage}/{prefix}{name}']):.2f}" for name in names
-                )
-                lines.append(f"{label}: {printed}")
-        return [*lines, f"({self.eval_metrics[stage]['score'].signature})"]
+        labels = {"": "model"} | baseline_labels(self.hparams.lead_words, self._naive_ratio)
+        lines = [rouge_line(label, logged, f"{stage}/{prefix}") for prefix, label in labels.items()]
+        return [*filter(None, lines), f"({self.eval_metrics[stage]['score'].signature})"]
 
     @override
     def on_validation_epoch_end(self) -> None:

@@ -37,7 +37,8 @@ class TextSplit:
     """A split as read from disk, before tokenization.
 
     ``lines`` holds each example's line number, and ``source_origin``/``target_origin`` the files, so
-    that an error about one example can point at it.
+    that an error about one example can point at it. ``references`` holds each example's references to score
+    against when there are several (None: its target alone).
     """
 
     sources: list[str]
@@ -45,6 +46,7 @@ class TextSplit:
     lines: list[int]
     source_origin: str
     target_origin: str
+    references: list[tuple[str, ...]] | None = None
 
 
 class Seq2SeqDataModule(LightningDataModule, ABC):
@@ -276,10 +278,11 @@ class Seq2SeqDataModule(LightningDataModule, ABC):
             return ExampleDataset([Example(ids, s) for ids, s in zip(src_ids, text.sources, strict=True)])
         tgt_ids = self.tokenizer.encode_batch(text.targets)
         self._check_length(text, tgt_ids, "target", text.target_origin, self.collator.max_target_tokens - 2)
+        references = text.references or [()] * len(text.targets)
         return ExampleDataset(
             [
-                Example(s_ids, s, t_ids, t)
-                for s_ids, s, t_ids, t in zip(src_ids, text.sources, tgt_ids, text.targets, strict=True)
+                Example(s_ids, s, t_ids, t, references=r)
+                for s_ids, s, t_ids, t, r in zip(src_ids, text.sources, tgt_ids, text.targets, references, strict=True)
             ]
         )
 

@@ -12,8 +12,8 @@ from typing_extensions import override
 
 from torch_handle.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
-# {"src": (B, S), "tgt": (B, T), "src_text": [...], "tgt_text": [...], "src_truncated": [...], "repeat": bool,
-#  "step_tokens": int (training batches only)}
+# {"src": (B, S), "tgt": (B, T), "src_text": [...], "tgt_text": [...], "references": [[...], ...],
+#  "src_truncated": [...], "repeat": bool, "step_tokens": int (training batches only)}
 Batch = dict[str, Any]
 
 
@@ -24,7 +24,8 @@ class Example:
     ``repeat`` marks a copy that only evens out the batch count across ranks (see
     :class:`TokenBudgetBatchSampler`): it is trained on, but never counted twice in a metric.
     ``step_tokens`` is the number of target tokens scored in the whole optimizer step the example's batch
-    belongs to (every micro-batch of every rank), the loss's normaliser; 0 when not known.
+    belongs to (every micro-batch of every rank), the loss's normaliser; 0 when not known. ``references`` holds
+    every reference a prediction is scored against (SQuALITY has four); empty means ``tgt_text`` alone.
     """
 
     src_ids: list[int]
@@ -33,6 +34,7 @@ class Example:
     tgt_text: str | None = None
     repeat: bool = False
     step_tokens: int = 0
+    references: tuple[str, ...] = ()
 
 
 class BatchIndices(list[int]):
@@ -120,6 +122,7 @@ class Collator:
         if all(has_target):
             batch["tgt"] = _pad([self.target_ids(e) for e in examples])
             batch["tgt_text"] = [e.tgt_text for e in examples]
+            batch["references"] = [list(e.references) or [e.tgt_text] for e in examples]
         return batch
 
 

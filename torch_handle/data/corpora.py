@@ -4,8 +4,12 @@ Each file is pinned by the sha256 of the bytes *written* (the decompressed Multi
 lines), computed from the official repositories at the commits below. A pin on what we write, not on what is
 served, lets a mirror recompress or re-serialize, lets a later run re-verify the files it finds without
 downloading, and covers the conversion too. QMSum's ``train.jsonl`` was too large for the copy of its
-repository these pins were computed from, so its pin is order-free: the meeting files in ``data/ALL/train/``
+repository these pins were computed from, so its pins are order-free: the meeting files in ``data/ALL/train/``
 hold the same meetings, but not the order of the lines, which numbers the ids.
+
+Each summarization corpus is written twice from the same official file: ``{split}.jsonl``/``{split}_plot.jsonl``
+(one summary a document: QMSum's general query, SQuALITY's plot question) and ``{split}_all.jsonl`` (every
+query or question, as SCROLLS poses QMSum and the SQuALITY paper scores SQuALITY).
 """
 
 from __future__ import annotations
@@ -112,6 +116,40 @@ def squality_jsonl(data: bytes) -> bytes:
     return _jsonl(rows)
 
 
+def qmsum_queries_jsonl(data: bytes, split: str) -> bytes:
+    """QMSum meetings -> one line per query, general and specific, as SCROLLS poses QMSum: ``id, query, document,
+    summary``, the document being the transcript as in :func:`qmsum_jsonl` and the summary the query's answer."""
+    rows = []
+    for i, meeting in enumerate(_records(data)):
+        document = "\n".join(f"{turn['speaker']}: {turn['content']}" for turn in meeting["meeting_transcripts"])
+        queries = [*meeting["general_query_list"], *meeting["specific_query_list"]]
+        rows.extend(
+            {"id": f"qmsum-{split}-{i}-{j}", "query": q["query"], "document": document, "summary": q["answer"]}
+            for j, q in enumerate(queries)
+        )
+    return _jsonl(rows)
+
+
+def squality_questions_jsonl(data: bytes) -> bytes:
+    """SQuALITY stories -> one line per story and question (five a story, in question order): ``id, query,
+    document, summaries, summary``, ``summaries`` holding the question's four references and ``summary`` the
+    first."""
+    rows = []
+    for story in _records(data):
+        for question in sorted(story["questions"], key=lambda q: q["question_number"]):
+            summaries = [response["response_text"] for response in question["responses"]]
+            rows.append(
+                {
+                    "id": f"{story['metadata']['passage_id']}-{question['question_number']}",
+                    "query": question["question_text"],
+                    "document": story["document"],
+                    "summaries": summaries,
+                    "summary": summaries[0],
+                }
+            )
+    return _jsonl(rows)
+
+
 def _as_is(data: bytes) -> bytes:
     return data
 
@@ -161,6 +199,21 @@ QMSUM = Corpus(
                 ("test", "760460528617754fdf27278b90e1e2a16bf7016ee1be8c079a3e33083a181f9d"),
             )
         ),
+        *(
+            CorpusFile(
+                f"{split}_all.jsonl",
+                f"data/ALL/jsonl/{split}.jsonl",
+                sha256,
+                partial(qmsum_queries_jsonl, split=split),
+                split,
+                ordered=split != "train",
+            )
+            for split, sha256 in (
+                ("train", "f6c3071c86cbf78415d205d831856f45378f413b200b3a0a6887ea58270850ad"),
+                ("val", "d5563b3c446e4cd31bde0090f0a5875a4129defb720814f863f9f2d7efa786c1"),
+                ("test", "1f3a870117bfe702873bee8f5ef3c5f60d3a38143828e9014b6252ee8547539f"),
+            )
+        ),
         CorpusFile(
             "LICENSE", "LICENSE", "8308d90c6321345cbd4adc8b479ddbece28ddbdca44f3f0b9bf033c3999a4a80", _as_is, None
         ),
@@ -178,6 +231,14 @@ SQUALITY = Corpus(
                 ("train", "d0cf419a7abfac011a6c4f084a153f661e64bda83429ac0f3901ef1e58ef94f3"),
                 ("dev", "0c2cb70859b9a9c96ce12a270ac5c0f880d1ef19f2b44df8f2ff3f9823203348"),
                 ("test", "70925caba1fb8aad06b38883b827e77e576a41ed54a8112eab4a1eeac9455305"),
+            )
+        ),
+        *(
+            CorpusFile(f"{split}_all.jsonl", f"data/v1-3/txt/{split}.jsonl", sha256, squality_questions_jsonl, split)
+            for split, sha256 in (
+                ("train", "7dcd01d4cf97bdd19207bf16e120a2d62fbde0502d4fc37b17fa6b64b5cd47e3"),
+                ("dev", "b71a9b5b721f955c7dc18aeea7fd3c6eed08eb3c691a311fda0eb40c9f5ce91e"),
+                ("test", "a3e38430d9f7af952fa681266be2b21432a3a18a77968927cb909ff3f6e61b65"),
             )
         ),
         CorpusFile(

@@ -1,5 +1,6 @@
 """Reading text and JSON-lines files, with one-line errors that name the file, the line and the fix."""
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -13,10 +14,12 @@ from torch_handle.errors import DataError
 
 @dataclass(frozen=True, slots=True)
 class Record:
-    """One input from a file: its fields and the line it came from (for error messages)."""
+    """One input from a file: its string fields, its list-of-strings fields, and the line it came from (for error
+    messages)."""
 
     fields: dict[str, str]
     line: int
+    lists: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
 
 def read_text(path: str | Path) -> str:
@@ -83,7 +86,9 @@ def read_parallel(source: str | Path, target: str | Path) -> tuple[list[tuple[st
     return [(src[line - 1], tgt[line - 1]) for line in lines], lines
 
 
-def read_jsonl(path: str | Path, fields: Sequence[str], setting: dict[str, str] | None = None) -> list[Record]:
+def read_jsonl(
+    path: str | Path, fields: Sequence[str], setting: dict[str, str] | None = None, lists: Sequence[str] = ()
+) -> list[Record]:
     """The given string fields of each JSON object in a JSON-lines file; blank lines are skipped.
 
     Args:
@@ -91,11 +96,12 @@ def read_jsonl(path: str | Path, fields: Sequence[str], setting: dict[str, str] 
         fields: Field names every object must have, with string values.
         setting: For each field, the option that names it (e.g. ``--data.summary_field``), so the error
             for a missing field can say which option to change.
+        lists: Field names an object may have, each a non-empty list of strings (read into ``Record.lists``).
     """
     records = []
     for line_no, line in enumerate(read_text(path).split("\n"), start=1):
         if line.strip():
-            records.append(_parse_json_line(path, line_no, line, fields, setting or {}))
+            records.append(_parse_json_line(path, line_no, line, fields, setting or {}, lists))
     return records
 
 
@@ -125,7 +131,7 @@ def _is_json_object(line: str) -> bool:
 
 
 def _parse_json_line(
-    path: str | Path, line_no: int, line: str, fields: Sequence[str], setting: dict[str, str]
+    path: str | Path, line_no: int, line: str, fields: Sequence[str], setting: dict[str, str], lists: Sequence[str]
 ) -> Record:
     try:
         obj = json.loads(line)
@@ -144,4 +150,10 @@ def _parse_json_line(
         if not isinstance(obj[field], str):
             raise DataError(f"{path}:{line_no}: field {field!r} is a {type(obj[field]).__name__}, expected a string")
         values[field] = obj[field]
-    return Record(values, line_no)
+    found = {}
+    for name in (name for name in lists if name in obj):
+        items = obj[name]
+        if not isinstance(items, list) or not items or not all(isinstance(item, str) for item in items):
+            raise DataError(f"{path}:{line_no}: field {name!r} must be a non-empty list of strings")
+        found[name] = tuple(items)
+    return Record(values, line_no, found)

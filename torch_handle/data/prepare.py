@@ -1,8 +1,10 @@
 """Download a corpus from its official repository, verify it, and write the files the configs read.
 
   torch-handle prepare multi30k --out data   ->  data/multi30k/{split}.en and {split}.de
-  torch-handle prepare qmsum --out data      ->  data/qmsum/{train,val,test}.jsonl
-  torch-handle prepare squality --out data   ->  data/squality/{train,dev,test}_plot.jsonl
+  torch-handle prepare qmsum --out data      ->  data/qmsum/{train,val,test}.jsonl (general queries)
+                                                 and {train,val,test}_all.jsonl (every query, as SCROLLS)
+  torch-handle prepare squality --out data   ->  data/squality/{train,dev,test}_plot.jsonl (plot question)
+                                                 and {train,dev,test}_all.jsonl (all five questions)
 
 (also python -m torch_handle.data.prepare), with the corpus's licences. Each file is checked against the
 sha256 pinned in torch_handle/data/corpora.py before it is written, and is written whole or not at all; a later

@@ -10,14 +10,19 @@ from torch_handle.data.corpora import missing
 from torch_handle.data.io import read_documents, read_jsonl
 from torch_handle.errors import DataError
 
+QUERY_SEPARATOR = "\n\n"  # SCROLLS's: the query, a blank line, then the document
+
 
 class SummarizationDataModule(Seq2SeqDataModule):
     """(document, summary) pairs from JSON-lines files, e.g. QMSum or SQuALITY.
 
     ``torch-handle prepare squality --out data`` writes ``data/squality/{train,dev,test}_plot.jsonl``, one story
-    per line with ``id, document, summaries, summary``; ``prepare qmsum`` writes
-    ``data/qmsum/{train,val,test}.jsonl``, one meeting per line with ``id, query, document, summary, doc_words``,
-    the document being the transcript as ``speaker: words`` turns, one per line.
+    per line with ``id, document, summaries, summary``, and ``{split}_all.jsonl``, one line per story and question
+    (five a story) with ``id, query, document, summaries, summary``; ``prepare qmsum`` writes
+    ``data/qmsum/{train,val,test}.jsonl``, one meeting per line with ``id, query, document, summary, doc_words``
+    (the general query), and ``{split}_all.jsonl``, one line per query, general and specific, with
+    ``id, query, document, summary``; the document is the transcript as ``speaker: words`` turns, one per line.
+    With ``query_field: query`` the input is the query, a blank line, then the document, as SCROLLS poses QMSum.
     """
 
     whole_source_splits = ("test", "predict")  # longer documents are summarized hierarchically, never cut
@@ -30,6 +35,8 @@ class SummarizationDataModule(Seq2SeqDataModule):
         predict_file: str | None = None,
         document_field: str = "document",
         summary_field: str = "summary",
+        references_field: str = "summaries",
+        query_field: str | None = None,
         tokenizer_path: str | None = None,
         bpe_vocab_size: int = 8000,
         max_tokens: int = 65536,
@@ -56,6 +63,11 @@ class SummarizationDataModule(Seq2SeqDataModule):
                 document per line. Output keeps its order.
             document_field: JSON field holding the input document.
             summary_field: JSON field holding the reference summary.
+            references_field: JSON field holding every reference of a row, a list of strings; where a row has
+                it, ``test`` scores against the best-matching of them (max over references, as SQuALITY does).
+            query_field: JSON field holding a query (a question about the document) that every row has; the input
+                becomes the query, a blank line, then the document, as SCROLLS poses QMSum. None: the document
+                alone.
             tokenizer_path: A saved ``tokenizer.json`` to use. None trains a BPE on the training documents and
                 summaries (deterministic, so every rank trains the same one); checkpoints store it.
             bpe_vocab_size: Vocabulary size to train for, special and byte tokens included.
@@ -87,6 +99,8 @@ class SummarizationDataModule(Seq2SeqDataModule):
         self.files = {"train": train_file, "val": val_file, "test": test_file, "predict": predict_file}
         self.document_field = document_field
         self.summary_field = summary_field
+        self.references_field = references_field
+        self.query_field = query_field
 
     @override
     def read_split(self, split: Split) -> TextSplit | None:
@@ -100,11 +114,28 @@ class SummarizationDataModule(Seq2SeqDataModule):
         if hint is not None and not Path(path).exists():
             raise DataError(hint)
         settings = {self.document_field: "--data.document_field", self.summary_field: "--data.summary_field"}
-        if split == "predict":
+        fields = [self.document_field] if self.query_field is None else [self.query_field, self.document_field]
+        settings |= {} if self.query_field is None else {self.query_field: "--data.query_field"}
+        references = None
+        if split == "predict" and self.query_field is None:
             records = read_documents(path, self.document_field, settings[self.document_field])
             targets = None
+        elif split == "predict":
+            records = read_jsonl(path, fields, settings)
+            targets = None
         else:
-            records = read_jsonl(path, [self.document_field, self.summary_field], settings)
+            records = read_jsonl(path, [*fields, self.summary_field], settings, lists=[self.references_field])
             targets = [r.fields[self.summary_field].strip() for r in records]
-        sources = [r.fields[self.document_field].strip() for r in records]
-        return TextSplit(sources, targets, [r.line for r in records], path, path)
+            references = [tuple(text.strip() for text in r.lists.get(self.references_field, ())) for r in records]
+        sources = [QUERY_SEPARATOR.join(r.fields[name].strip() for name in fields) for r in records]
+        return TextSplit(sources, targets, [r.line for r in records], path, path, references)
+
+    def summary_ratio(self) -> float | None:
+        """The training pairs' mean summary-to-input length ratio in characters, SCROLLS's length for its naive
+        baseline; None without a training file."""
+        path = self.files["train"]
+        if path is None or not Path(path).is_file():
+            return None
+        train = self._text("train")
+        pairs = zip(train.sources, train.targets or [], strict=True)
+        return sum(len(t) / max(len(s), 1) for s, t in pairs) / len(train.sources)
