@@ -1,4 +1,5 @@
-"""ROUGE against ROUGE-1.5.5's own figures, its accumulation across batches and ranks, and sacreBLEU by hand."""
+"""ROUGE against ROUGE-1.5.5's own figures, its accumulation across batches and ranks, sacreBLEU by hand, and chrF
+against sacreBLEU's ``corpus_chrf``."""
 
 from __future__ import annotations
 
@@ -16,7 +17,17 @@ from rouge_score import rouge_scorer
 from torchmetrics.text import SacreBLEUScore
 
 from torch_handle.data import SummarizationDataModule, TranslationDataModule
-from torch_handle.metrics import ROUGE_KEYS, Rouge, geometric_mean, lead, naive, rouge_line, split_sentences
+from torch_handle.metrics import (
+    ROUGE_KEYS,
+    ChrF,
+    Rouge,
+    chrf_signature,
+    geometric_mean,
+    lead,
+    naive,
+    rouge_line,
+    split_sentences,
+)
 from torch_handle.model import TransformerConfig
 from torch_handle.module import Seq2SeqModule
 
@@ -327,6 +338,28 @@ def test_sacrebleu_metric_is_corpus_bleu_across_updates() -> None:
     assert want != pytest.approx(mean_of_sentences, abs=1e-3)  # corpus BLEU pools n-gram counts, unlike a mean
 
 
+def test_chrf_is_sacrebleus_corpus_chrf_across_updates() -> None:
+    hypotheses = ["Der Hund sieht eine Katze.", "Zwei alte  Vögel halfen dem König.", "Ein Mann fährt Rad!", ""]
+    references = [
+        "Der Hund sieht die Katze.",
+        "Meine zwei alten Vögel halfen dem König.",
+        "Ein Mann fährt Fahrrad!",
+        "Ja",
+    ]
+    chrf = sacrebleu.metrics.CHRF()
+    want = chrf.corpus_score(hypotheses, [references])
+    metric = ChrF()
+    metric.update(hypotheses[:2], references[:2])
+    metric.update(hypotheses[2:], references[2:])
+    assert metric.compute().item() * 100 == pytest.approx(want.score, abs=1e-9)
+    mean_of_sentences = sum(
+        sacrebleu.sentence_chrf(h, [r]).score for h, r in zip(hypotheses, references, strict=True)
+    ) / len(hypotheses)
+    assert want.score != pytest.approx(mean_of_sentences, abs=1e-3)  # corpus chrF pools n-gram counts, unlike a mean
+    assert want.score == sacrebleu.corpus_chrf(hypotheses, [references]).score
+    assert chrf_signature() == str(chrf.get_signature())
+
+
 def test_test_reports_bleu_on_sacrebleus_0_100_scale_with_its_signature(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -345,4 +378,14 @@ def test_test_reports_bleu_on_sacrebleus_0_100_scale_with_its_signature(
     want = bleu.corpus_score(hypotheses, [references])
     assert 10 < want.score < 90
     assert metrics["test/bleu"] == pytest.approx(want.score, abs=1e-4)
-    assert f"test: bleu {want.score:.2f} ({bleu.get_signature()})" in caplog.text
+    chrf = sacrebleu.metrics.CHRF()
+    want_chrf = chrf.corpus_score(hypotheses, [references])
+    assert metrics["test/chrf"] == pytest.approx(want_chrf.score, abs=1e-4)
+    printed = (
+        f"test: bleu {want.score:.2f} ({bleu.get_signature()}), chrf {want_chrf.score:.2f} ({chrf.get_signature()})"
+    )
+    assert printed in caplog.text
+    assert module.summary(metrics) == [
+        f"BLEU {want.score:.2f}  (sacreBLEU {bleu.get_signature()})",
+        f"chrF2 {want_chrf.score:.2f}  (sacreBLEU {chrf.get_signature()})",
+    ]

@@ -17,7 +17,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tests.helpers import check, cli
 from torch_handle.cli import main
 from torch_handle.data import SummarizationDataModule
-from torch_handle.metrics import bleu_signature
+from torch_handle.metrics import bleu_signature, chrf_signature
 from torch_handle.module import Seq2SeqModule
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -120,9 +120,12 @@ def test_test_ends_with_the_score_its_signature_and_the_checkpoint(
     out = capsys.readouterr().out
     table = re.search(r"test/bleu[\s│|]+([\d.]+)", out)  # Lightning's plain or rich table
     assert table is not None, out
-    tail = out[table.end() :].strip().splitlines()[-2:]  # the summary follows Lightning's table
+    chrf = re.search(r"test/chrf[\s│|]+([\d.]+)", out)
+    assert chrf is not None, out
+    tail = out[max(table.end(), chrf.end()) :].strip().splitlines()[-3:]  # the summary follows Lightning's table
     assert tail == [
         f"BLEU {float(table.group(1)):.2f}  (sacreBLEU {bleu_signature('13a')})",
+        f"chrF2 {float(chrf.group(1)):.2f}  (sacreBLEU {chrf_signature()})",
         f"checkpoint: {tiny_demo_run / 'checkpoints' / 'last.ckpt'}",
     ]
     assert _versions(tiny_demo_run) == versions, "test created a logger folder"

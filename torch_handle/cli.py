@@ -1,5 +1,6 @@
 """torch-handle's command line: ``torch-handle {fit,validate,test,predict} --config NAME`` (``python cli.py`` in
-a checkout), plus ``prepare`` (download a corpus) and ``export`` (a checkpoint to one safetensors file).
+a checkout), plus ``prepare`` (download a corpus), ``export`` (a checkpoint to one safetensors file), ``average``
+(checkpoints' weights into one checkpoint) and ``serve`` (a model behind HTTP).
 
 A thin LightningCLI: the LightningModule's and DataModules' typed signatures are the options (see
 ``--help``), the strategy is plain Trainer configuration, and shared values are linked, not repeated.
@@ -315,11 +316,18 @@ def with_config_paths(args: list[str]) -> list[str]:
     return resolved
 
 
-COMMANDS = {"prepare": "torch_handle.data.prepare", "export": "torch_handle.export"}  # plain argparse tools
+COMMANDS = {  # plain argparse tools
+    "prepare": "torch_handle.data.prepare",
+    "export": "torch_handle.export",
+    "average": "torch_handle.average",
+    "serve": "torch_handle.serve",
+}
 DESCRIPTION = (
     "Train, evaluate and use a handwritten Transformer. Subcommands: fit, validate, test, predict (below), and "
     "prepare (download a corpus: torch-handle prepare --help), export (a checkpoint to one safetensors file or a "
-    "CTranslate2 model folder: torch-handle export --help). --config takes a path or a shipped config's name: "
+    "CTranslate2 model folder: torch-handle export --help), average (checkpoints' weights into one checkpoint: "
+    "torch-handle average --help), serve (a model behind HTTP: torch-handle serve --help). "
+    "--config takes a path or a shipped config's name: "
 )
 
 

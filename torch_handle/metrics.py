@@ -1,8 +1,9 @@
-"""ROUGE as a torchmetrics ``Metric`` over the ``rouge-score`` package.
+"""ROUGE and chrF as torchmetrics ``Metric``s over the ``rouge-score`` and ``sacrebleu`` packages.
 
 torchmetrics' own ROUGE fetches NLTK data at run time, which fails offline; ``rouge-score`` (Google's
-reimplementation of ROUGE-1.5.5) needs nothing beyond the package. Wrapping it in a ``Metric`` keeps
-the accumulation across batches and the sum over DDP ranks to torchmetrics.
+reimplementation of ROUGE-1.5.5) needs nothing beyond the package. torchmetrics' ``CHRFScore`` scores otherwise
+than sacreBLEU's ``CHRF``, the one papers report, so chrF sums sacreBLEU's own statistics. Wrapping both in a
+``Metric`` keeps the accumulation across batches and the sum over DDP ranks to torchmetrics.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from importlib.metadata import version
 from typing import Any
 
 import torch
-from sacrebleu.metrics import BLEU
+from sacrebleu.metrics import BLEU, CHRF
 from torchmetrics import Metric
 
 ROUGE_KEYS = ("rouge1", "rouge2", "rougeL", "rougeLsum")
@@ -119,3 +120,34 @@ def bleu_signature(tokenize: str, lowercase: bool = False) -> str:
     no smoothing (its default), so a reported score says how it was computed."""
     bleu = BLEU(tokenize=tokenize, lowercase=lowercase, smooth_method="none", references=[[""]])
     return str(bleu.get_signature())
+
+
+class ChrF(Metric):
+    """sacreBLEU's corpus chrF (``CHRF()``: character 6-grams, beta 2, one reference), as a fraction of 1.
+
+    The character n-gram statistics of every (prediction, reference) pair are summed, here and over ranks, and
+    scored once, as ``sacrebleu.corpus_chrf`` scores a corpus.
+    """
+
+    full_state_update = False
+    higher_is_better = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.chrf = CHRF()
+        size = 3 * (self.chrf.char_order + self.chrf.word_order)  # hypothesis, reference and match counts per order
+        self.add_state("stats", default=torch.zeros(size, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, predictions: Sequence[str], references: Sequence[str]) -> None:
+        rows = self.chrf._extract_corpus_statistics(list(predictions), [list(references)])
+        if rows:
+            self.stats += torch.tensor(rows, dtype=torch.float64).sum(0)
+
+    def compute(self) -> torch.Tensor:
+        counts = [int(count) for count in self.stats.round().long().tolist()]
+        return torch.tensor(self.chrf._compute_score_from_stats(counts).score / 100, dtype=torch.float64)
+
+
+def chrf_signature() -> str:
+    """sacreBLEU's signature of :class:`ChrF`, printed beside its score."""
+    return str(CHRF(references=[[""]]).get_signature())

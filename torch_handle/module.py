@@ -27,9 +27,11 @@ from torch_handle.hierarchical import summarize
 from torch_handle.loss import compiled_token_sums, token_sums
 from torch_handle.metrics import (
     GEOMETRIC_MEAN,
+    ChrF,
     Rouge,
     baseline_labels,
     bleu_signature,
+    chrf_signature,
     geometric_mean,
     lead,
     naive,
@@ -60,11 +62,16 @@ Task = Literal["translation", "summarization"]
 BLEU_TOKENIZE = "13a"  # sacreBLEU's default tokenizer, the one WMT results are reported with
 
 
-def _percent(value: Tensor | dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
-    """BLEU (a tensor) or ROUGE (a dict, given its geometric mean) on the 0-100 scale that sacreBLEU and papers
-    report."""
-    scores = value | {GEOMETRIC_MEAN: geometric_mean(value)} if isinstance(value, dict) else {"bleu": value}
+def _percent(value: Tensor | dict[str, Tensor], prefix: str, name: str = "bleu") -> dict[str, Tensor]:
+    """BLEU or chrF (a tensor named ``name``) or ROUGE (a dict, given its geometric mean) on the 0-100 scale that
+    sacreBLEU and papers report."""
+    scores = value | {GEOMETRIC_MEAN: geometric_mean(value)} if isinstance(value, dict) else {name: value}
     return {f"{prefix}{name}": 100 * score.float() for name, score in scores.items()}
+
+
+def _signatures() -> dict[str, str]:
+    """sacreBLEU's signature of each translation score, printed beside it."""
+    return {"bleu": bleu_signature(BLEU_TOKENIZE), "chrf": chrf_signature()}
 
 
 def _pipeline_size(mesh: DeviceMesh) -> int:
@@ -172,9 +179,11 @@ class Seq2SeqModule(L.LightningModule):
         self._pipeline: Pipeline | None = None  # this process's pipeline stages, under pipeline parallelism
 
     def _new_metrics(self, stage: str) -> torch.nn.ModuleDict:
-        """Per-token smoothed objective and NLL (token-weighted means, summed over ranks), and BLEU or ROUGE."""
+        """Per-token smoothed objective and NLL (token-weighted means, summed over ranks); BLEU and chrF, or ROUGE."""
         metrics = {"objective": MeanMetric(), "nll": MeanMetric()}
         metrics["score"] = SacreBLEUScore(tokenize=BLEU_TOKENIZE) if self.hparams.task == "translation" else Rouge()
+        if self.hparams.task == "translation":
+            metrics["chrf"] = ChrF()
         if stage == "test" and self.hparams.task == "summarization":
             metrics["lead"] = Rouge()
             metrics["naive"] = Rouge()
@@ -391,6 +400,8 @@ class Seq2SeqModule(L.LightningModule):
                 scorer.update(predictions, [[r] for r in batch["tgt_text"]])
             else:
                 scorer.update(predictions, references)
+            if "chrf" in metrics:
+                metrics["chrf"].update(predictions, batch["tgt_text"])
         if stage == "test" and "lead" in metrics:
             metrics["lead"].update([lead(doc, self.hparams.lead_words) for doc in batch["src_text"]], references)
             if self._naive_ratio is not None:
@@ -431,7 +442,8 @@ class Seq2SeqModule(L.LightningModule):
             metric.reset()
 
     def _log_epoch(self, stage: str) -> None:
-        """Logs the set's per-token loss (NLL) and perplexity (its exp), the smoothed objective, and BLEU/ROUGE (0-100).
+        """Logs the set's per-token loss (NLL) and perplexity (its exp), the smoothed objective, and BLEU and chrF or
+        ROUGE (0-100).
 
         Every rank computes (``compute`` sums the states over ranks) and logs, also a rank whose batches were
         all repeats: ``ModelCheckpoint`` reads the monitored value on every rank.
@@ -446,10 +458,16 @@ class Seq2SeqModule(L.LightningModule):
                 scores |= _percent(metrics["lead"].compute(), f"{stage}/lead_")
             if "naive" in metrics and self._naive_ratio is not None:  # the same on every rank: compute syncs
                 scores |= _percent(metrics["naive"].compute(), f"{stage}/naive_")
+            if "chrf" in metrics:
+                scores |= _percent(metrics["chrf"].compute(), f"{stage}/", "chrf")
             values |= scores
-            signature = f" ({bleu_signature(BLEU_TOKENIZE)})" if self.hparams.task == "translation" else ""
-            printed = ", ".join(f"{k.removeprefix(stage + '/')} {float(v):.2f}" for k, v in scores.items())
-            rank_zero_info(f"{stage}: {printed}{signature}")
+            signatures = _signatures() if self.hparams.task == "translation" else {}
+            printed = []
+            for key, value in scores.items():
+                name = key.removeprefix(stage + "/")
+                signature = f" ({signatures[name]})" if name in signatures else ""
+                printed.append(f"{name} {float(value):.2f}{signature}")
+            rank_zero_info(f"{stage}: {', '.join(printed)}")
         self.log_dict(values)
 
     def summary(self, logged: Mapping[str, Any], stage: str = "test") -> list[str]:
@@ -459,7 +477,12 @@ class Seq2SeqModule(L.LightningModule):
         if f"{stage}/{'bleu' if self.hparams.task == 'translation' else 'rouge1'}" not in logged:
             return []
         if self.hparams.task == "translation":
-            return [f"BLEU {float(logged[f'{stage}/bleu']):.2f}  (sacreBLEU {bleu_signature(BLEU_TOKENIZE)})"]
+            signatures = _signatures()
+            return [
+                f"{label} {float(logged[f'{stage}/{name}']):.2f}  (sacreBLEU {signatures[name]})"
+                for name, label in (("bleu", "BLEU"), ("chrf", "chrF2"))
+                if f"{stage}/{name}" in logged
+            ]
         labels = {"": "model"} | baseline_labels(self.hparams.lead_words, self._naive_ratio)
         lines = [rouge_line(label, logged, f"{stage}/{prefix}") for prefix, label in labels.items()]
         return [*filter(None, lines), f"({self.eval_metrics[stage]['score'].signature})"]

@@ -1,0 +1,79 @@
+"""``torch-handle serve MODEL``: a model that ``torch_handle.load`` takes, behind HTTP with dynamic batching.
+
+``POST /translate`` and ``POST /summarize`` take ``{"texts": [...], "num_beams": ..., ...}`` and answer
+``{"translations": [...]}`` or ``{"summaries": [...]}``; ``GET /health`` says ``ok`` once the model is loaded, and
+``/docs`` holds the OpenAPI page. Concurrent requests are decoded together (:mod:`torch_handle.server`, on
+``litserve``, an optional extra: ``pip install "torch-handle[serve]"``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from lightning_utilities.core.imports import RequirementCache
+
+from torch_handle.checkpoints import CheckpointError
+from torch_handle.errors import SetupError
+
+LITSERVE_AVAILABLE = RequirementCache("litserve")
+log = logging.getLogger(__name__)
+
+
+def serve(
+    model: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    max_batch_size: int = 32,
+    batch_timeout: float = 0.01,
+    max_texts: int = 64,
+    max_chars: int = 20_000,
+    accelerator: str = "auto",
+) -> None:
+    """Serves ``model`` until interrupted; the model is loaded once here first, so a bad path is one error line."""
+    if not LITSERVE_AVAILABLE:
+        raise SetupError('torch-handle serve needs litserve: pip install "torch-handle[serve]"')
+    if max_batch_size < 1 or batch_timeout < 0 or max_texts < 1 or max_chars < 1:
+        raise SetupError("--max-batch-size, --max-texts and --max-chars must be >= 1, --batch-timeout >= 0")
+    from torch_handle.api import load
+    from torch_handle.server import LIMITS, build_server
+
+    context = load(model).model.config.context_length
+    LIMITS.max_texts, LIMITS.max_chars = max_texts, max_chars
+    LIMITS.max_new_tokens = None if context is None else context - 1
+    server = build_server(model, max_batch_size, batch_timeout, accelerator)
+    log.info("serving %s on http://%s:%d (POST /translate, /summarize; GET /health, /docs)", model, host, port)
+    server.run(host=host, port=port, generate_client_file=False, log_level="info")
+
+
+def main(args: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", help="a .safetensors export, a .ckpt file, a checkpoint folder or a run folder")
+    parser.add_argument("--host", default="127.0.0.1", help="the interface to listen on (0.0.0.0: every one)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--max-batch-size", type=int, default=32, help="requests decoded together at most")
+    parser.add_argument(
+        "--batch-timeout", type=float, default=0.01, help="seconds a request waits for others to batch with"
+    )
+    parser.add_argument("--max-texts", type=int, default=64, help="texts one request may send at most")
+    parser.add_argument("--max-chars", type=int, default=20_000, help="characters one text may have at most")
+    parser.add_argument("--accelerator", default="auto", choices=("auto", "cpu", "cuda"), help="where to decode")
+    options = parser.parse_args(args)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        serve(
+            options.model,
+            options.host,
+            options.port,
+            options.max_batch_size,
+            options.batch_timeout,
+            options.max_texts,
+            options.max_chars,
+            options.accelerator,
+        )
+    except (CheckpointError, SetupError) as err:
+        raise SystemExit(f"error: {err}") from err
+
+
+if __name__ == "__main__":
+    main()
