@@ -1,52 +1,48 @@
 """Finding and checking checkpoints before anything is loaded or written.
 
 Loading a checkpoint must never run code, yet DeepSpeed loads its shards with ``torch.load(weights_only=False)``
-and torch.distributed.checkpoint unpickles its ``.metadata`` and non-tensor items with plain ``pickle``. So
-:func:`check_checkpoint` reads every pickle of a file or folder first, without unpickling anything it has not
-allowed, and refuses the whole checkpoint in one line if any pickle names a global that torch's weights-only
-unpickler would refuse.
+and torch.distributed.checkpoint unpickles its ``.metadata`` and non-tensor items with plain ``pickle``. Two
+guards stand in the way, each enough alone. :func:`check_checkpoint` tells what each file is as its loader does
+(``torch.load`` reads a file as a zip archive when it starts with a zip header, else unpickles it), reads every
+pickle without unpickling anything it has not allowed, and refuses the whole checkpoint in one line if a file is
+not an archive, is damaged or missing, or names a global that torch's weights-only unpickler would refuse. Then
+:func:`~torch_handle.unpickling.unpickling_only_data` loads it with every unpickler of the process restricted to
+plain data.
 """
 
 from __future__ import annotations
 
 import io
 import os
-import pickle
-import pickletools
 import shutil
-import zipfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch._weights_only_unpickler import _get_allowed_globals, _get_user_allowed_globals
 from torch.nn import Module
+
+from torch_handle.errors import CheckpointError
+from torch_handle.unpickling import (
+    ARCHIVE_MAGIC,
+    MetadataUnpickler,
+    NotMetadata,
+    archive_pickles,
+    check_globals,
+    damaged,
+    data_pickle,
+    head,
+    is_deepspeed_checkpoint,
+    pickled_strings,
+    refused,
+    unpickling_only_data,
+)
 
 TOKENIZER_FILE = "tokenizer.json"  # written beside the checkpoints, so evaluation decodes as training encoded
 CONFIG_FILE = "transformer.json"
 
-# DeepSpeed's optimizer shards pickle these plain classes: an enum, a loss scaler's attributes, and (ZeRO-1/2) a
-# dataclass of two ints; rebuilding them calls no code of the file's choosing.
-_DEEPSPEED_GLOBALS = {
-    "deepspeed.runtime.zero.config.ZeroStageEnum",
-    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
-    "deepspeed.utils.tensor_fragment.fragment_address",
-}
-# Opcodes that reach a callable other than through a literal GLOBAL name; torch.save never writes them.
-_OPAQUE_OPCODES = {"STACK_GLOBAL", "INST", "OBJ", "EXT1", "EXT2", "EXT4"}
 _PICKLE_SUFFIXES = {".pt", ".pth", ".ckpt", ".bin", ".pkl"}  # files DeepSpeed and Lightning hand to torch.load
-_DCP_CLASS_MODULES = ("torch.distributed.checkpoint.", "pathlib")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint path that does not exist or holds no checkpoint; the message says what to do."""
-
-
-def is_deepspeed_checkpoint(path: Path) -> bool:
-    """DeepSpeed saves a folder per checkpoint with a ``latest`` tag file and a folder per tag."""
-    return path.is_dir() and (path / "latest").is_file()
+_PICKLE_PROTO = b"\x80"  # the first byte of a pickle of protocol 2 or later (legacy torch.save writes 2)
 
 
 def check_checkpoint(path: str | Path) -> Path:
@@ -56,15 +52,17 @@ def check_checkpoint(path: str | Path) -> Path:
     recover_interrupted_save(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist: pass the path of an existing checkpoint")
-    if path.is_file() and not zipfile.is_zipfile(path):
+    if path.is_file() and head(path) != ARCHIVE_MAGIC:
+        if head(path).startswith(_PICKLE_PROTO):
+            raise refused(path, path, "starts with a pickle, not a torch.save archive (torch.load would unpickle it)")
         raise CheckpointError(f"{path} is not a checkpoint (not a torch.save archive): pass a .ckpt file")
     if path.is_file():
-        pickled = _data_pickle(path)
-        if pickled is None or "state_dict" not in _pickled_strings(pickled):
+        pickled = data_pickle(path)
+        if pickled is None or "state_dict" not in pickled_strings(pickled):
             raise CheckpointError(
                 f"{path} is a torch.save archive but not a Lightning checkpoint (no 'state_dict'): pass a .ckpt file"
             )
-        _check_globals(pickled, path, path)
+        check_globals(pickled, path, path)
         return path
     if path.is_dir() and not (is_deepspeed_checkpoint(path) or (path / ".metadata").is_file()):
         raise CheckpointError(f"{path} is a folder but not a DeepSpeed or FSDP checkpoint: pass a .ckpt path")
@@ -72,6 +70,8 @@ def check_checkpoint(path: str | Path) -> Path:
         deepspeed_tag(path)
     for file in sorted(p for p in path.rglob("*") if p.is_file()):
         _check_pickles(file, path)
+    if is_deepspeed_checkpoint(path):
+        _check_deepspeed_shards(path)
     return path
 
 
@@ -143,7 +143,8 @@ def deepspeed_state(path: Path, module: Module | None = None) -> dict[str, Any]:
     ``module`` (DeepSpeed stores a shared parameter under one of its names only)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    state_dict = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=deepspeed_tag(path))
+    with unpickling_only_data(path):
+        state_dict = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=deepspeed_tag(path))
     state_dict = state_dict if module is None else with_tied_weights(state_dict, module)
     return {**checkpoint_fields(path), "state_dict": state_dict}
 
@@ -153,7 +154,7 @@ def folder_kind(path: Path) -> str:
     holds ``state_dict``) or ``fsdp`` (``model``)."""
     if is_deepspeed_checkpoint(path):
         return "deepspeed"
-    keys = _MetadataUnpickler(io.BytesIO((path / ".metadata").read_bytes())).load().state_dict_metadata
+    keys = MetadataUnpickler(io.BytesIO((path / ".metadata").read_bytes())).load().state_dict_metadata
     return "model_parallel" if any(key.startswith("state_dict.") for key in keys) else "fsdp"
 
 
@@ -182,103 +183,67 @@ def with_tied_weights(state_dict: dict[str, Tensor], module: Module) -> dict[str
     return filled
 
 
-def _refuse(file: Path, checkpoint: Path, what: str) -> CheckpointError:
-    return CheckpointError(
-        f"{file} {what}, so loading {checkpoint} could run code: refused; load only checkpoints you trust, "
-        "re-saved by torch-handle"
-    )
-
-
 def _check_pickles(file: Path, checkpoint: Path) -> None:
-    """Refuses ``file`` if loading it could run code; files nothing unpickles pass."""
+    """Refuses ``file`` if loading it could run code, or if it is damaged; files nothing unpickles pass."""
     if file.name == ".metadata":
         _check_dcp(file, checkpoint)
-    elif zipfile.is_zipfile(file):
-        for pickled in _archive_pickles(file, file, checkpoint):
-            _check_globals(pickled, file, checkpoint)
-    elif file.suffix in _PICKLE_SUFFIXES:
-        raise _refuse(file, checkpoint, "is not a torch.save archive (a bare pickle)")
+    elif file.suffix == ".distcp":
+        return  # read only at the items .metadata lists, each checked by _check_dcp
+    elif head(file) == ARCHIVE_MAGIC:
+        for pickled in archive_pickles(file, file, checkpoint):
+            check_globals(pickled, file, checkpoint)
+    elif file.suffix in _PICKLE_SUFFIXES or head(file).startswith(_PICKLE_PROTO):
+        if file.stat().st_size == 0:
+            raise damaged(file, checkpoint, "is empty")
+        raise refused(file, checkpoint, "is not a torch.save archive (torch.load would unpickle it as a bare pickle)")
 
 
-def _archive_pickles(archive: Path | bytes, file: Path, checkpoint: Path) -> Iterator[bytes]:
-    """The pickles of a ``torch.save`` archive (a file, or an item of a shard); tensor data is not read."""
-    try:
-        with zipfile.ZipFile(io.BytesIO(archive) if isinstance(archive, bytes) else archive) as zipped:
-            for name in zipped.namelist():
-                if name.endswith(".pkl"):
-                    yield zipped.read(name)
-    except (zipfile.BadZipFile, OSError, ValueError) as err:
-        raise _refuse(file, checkpoint, f"is a damaged archive ({err})") from err
-
-
-def _check_globals(pickled: bytes, file: Path, checkpoint: Path) -> None:
-    """Every global a ``torch.save`` pickle names must be one that ``torch.load(weights_only=True)`` allows."""
-    allowed = _get_allowed_globals().keys() | _get_user_allowed_globals().keys() | _DEEPSPEED_GLOBALS
-    try:
-        opcodes = [(opcode.name, arg) for opcode, arg, _ in pickletools.genops(pickled)]
-    except ValueError as err:  # a truncated or corrupt pickle
-        raise _refuse(file, checkpoint, f"holds an unreadable pickle ({err})") from err
-    for name, arg in opcodes:
-        if name in _OPAQUE_OPCODES:
-            raise _refuse(file, checkpoint, f"holds the pickle opcode {name}, which weights-only loading refuses")
-        if name == "GLOBAL" and str(arg).replace(" ", ".") not in allowed:
-            raise _refuse(file, checkpoint, f"pickles {str(arg).replace(' ', '.')!r}, which is not plain data")
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles torch.distributed.checkpoint's ``.metadata``: its metadata classes and torch's plain data only."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        full = f"{module}.{name}"
-        if full in _get_allowed_globals():
-            return _get_allowed_globals()[full]
-        if module.startswith(_DCP_CLASS_MODULES) and not name.startswith("__"):
-            found = super().find_class(module, name)
-            if isinstance(found, type):  # a metadata dataclass or a path, never a function
-                return found
-        raise pickle.UnpicklingError(f"{full!r} is not checkpoint metadata")
+def _check_deepspeed_shards(path: Path) -> None:
+    """A DeepSpeed folder's tag holds model states and, under ZeRO, one optimizer shard per rank that saved
+    (DeepSpeed counts them only after unpickling every shard, and then raises a bare ``ValueError``)."""
+    folder = path / deepspeed_tag(path)
+    models, shards = sorted(folder.glob("*_model_states.pt")), sorted(folder.glob("*_optim_states.pt"))
+    if not models:
+        raise damaged(folder, path, "holds no model states (*_model_states.pt): they are missing")
+    with unpickling_only_data(path):
+        states = torch.load(models[0], map_location="cpu", mmap=True, weights_only=True)
+    zero = (states.get("ds_config") or {}).get("zero_optimization", {}).get("stage", 0)
+    ranks = states.get("dp_world_size", 1)
+    if zero and len(shards) != ranks:
+        raise damaged(folder, path, f"holds {len(shards)} of the {ranks} optimizer shards (*_optim_states.pt) "
+                       f"that its {ranks} ranks saved: the others are missing")  # fmt: skip
 
 
 def _check_dcp(file: Path, checkpoint: Path) -> None:
-    """The ``.metadata`` pickle, then every non-tensor item it points to: torch.distributed.checkpoint loads those
-    ``torch.save`` archives with ``weights_only=False`` (tensors with ``weights_only=True``)."""
+    """The ``.metadata`` pickle, then every item it points to: each must lie whole in a shard of the folder and be a
+    ``torch.save`` archive; the pickles of the non-tensor items are checked too (torch.distributed.checkpoint loads
+    those with ``weights_only=False``, tensors with ``weights_only=True``)."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     try:
-        metadata = _MetadataUnpickler(io.BytesIO(file.read_bytes())).load()
+        metadata = MetadataUnpickler(io.BytesIO(file.read_bytes())).load()
         kinds = metadata.state_dict_metadata
         items = [
-            info for index, info in metadata.storage_data.items() if isinstance(kinds[index.fqn], BytesStorageMetadata)
+            (info, isinstance(kinds[index.fqn], BytesStorageMetadata)) for index, info in metadata.storage_data.items()
         ]
-    except Exception as err:  # an UnpicklingError, or anything a corrupt pickle raises
-        raise _refuse(file, checkpoint, f"is not plain checkpoint metadata ({' '.join(str(err).split())})") from err
-    for item in items:
+    except NotMetadata as err:
+        raise refused(file, checkpoint, f"is not plain checkpoint metadata ({' '.join(str(err).split())})") from err
+    except Exception as err:  # anything a truncated or corrupt pickle raises
+        raise damaged(file, checkpoint, f"is truncated or corrupt ({' '.join(str(err).split())})") from err
+    for item, is_bytes in items:
         shard = file.parent / item.relative_path
-        if shard.resolve().parent != file.parent.resolve() or not shard.is_file():
-            raise _refuse(file, checkpoint, f"points outside the checkpoint folder ({item.relative_path!r})")
-        with shard.open("rb") as f:
-            f.seek(item.offset)
-            blob = f.read(item.length)
-        if not zipfile.is_zipfile(io.BytesIO(blob)):
-            raise _refuse(shard, checkpoint, f"holds an item at byte {item.offset} that is not a torch.save archive")
-        for pickled in _archive_pickles(blob, shard, checkpoint):
-            _check_globals(pickled, shard, checkpoint)
-
-
-def _data_pickle(path: Path) -> bytes | None:
-    """The object structure of a ``torch.save`` archive (``data.pkl``: a few KB to MB whatever the checkpoint's
-    size; the tensor data beside it stays on disk), or None when the archive has no single readable one."""
-    try:
-        with zipfile.ZipFile(path) as archive:
-            names = [name for name in archive.namelist() if name.endswith("/data.pkl") or name == "data.pkl"]
-            return archive.read(names[0]) if len(names) == 1 else None
-    except (zipfile.BadZipFile, OSError, ValueError):  # a damaged archive
-        return None
-
-
-def _pickled_strings(pickled: bytes) -> set[str]:
-    """The string constants of a pickle, read without unpickling anything; none if it is truncated or corrupt."""
-    try:
-        return {arg for _, arg, _ in pickletools.genops(pickled) if isinstance(arg, str)}
-    except ValueError:
-        return set()
+        if shard.resolve().parent != file.parent.resolve():
+            raise refused(file, checkpoint, f"points outside the checkpoint folder ({item.relative_path!r})")
+        if not shard.is_file():
+            raise damaged(shard, checkpoint, "is missing (its .metadata lists it)")
+        if shard.stat().st_size < item.offset + item.length:
+            raise damaged(shard, checkpoint, f"is truncated ({shard.stat().st_size} bytes; an item ends at byte "
+                           f"{item.offset + item.length})")  # fmt: skip
+        if head(shard, item.offset) != ARCHIVE_MAGIC:
+            raise refused(shard, checkpoint, f"holds an item at byte {item.offset} that is not a torch.save archive")
+        if is_bytes:
+            with shard.open("rb") as f:
+                f.seek(item.offset)
+                blob = f.read(item.length)
+            for pickled in archive_pickles(blob, shard, checkpoint):
+                check_globals(pickled, shard, checkpoint)

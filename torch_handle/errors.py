@@ -11,3 +11,7 @@ class DataError(ValueError):
 
 class SetupError(ValueError):
     """A trainer setting this machine cannot run (a precision, a device); the message names the fix."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint path that does not exist or holds no checkpoint; the message says what to do."""

@@ -43,6 +43,7 @@ from torch_handle.checkpoints import (
 from torch_handle.ctranslate2 import ExportError, check_free, unsupported, vocabulary, write_model
 from torch_handle.data.tokenizer import Tokenizer
 from torch_handle.model import ConfigError, Transformer, TransformerConfig
+from torch_handle.unpickling import unpickling_only_data
 
 log = logging.getLogger(__name__)
 
@@ -112,19 +113,20 @@ def is_exported(path: str | Path) -> bool:
 
 def _lightning_state(path: Path) -> dict[str, Any]:
     """The LightningModule's full-precision ``state_dict`` and Lightning's checkpoint fields, per layout."""
-    if path.is_file():
-        return torch.load(path, map_location="cpu", weights_only=True)
-    if is_deepspeed_checkpoint(path):
-        return deepspeed_state(path)
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    with unpickling_only_data(path):
+        if path.is_file():
+            return torch.load(path, map_location="cpu", weights_only=True)
+        if is_deepspeed_checkpoint(path):
+            return deepspeed_state(path)
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from torch_handle.parallel.layout import from_heads_layout
+        from torch_handle.parallel.layout import from_heads_layout
 
-    with tempfile.TemporaryDirectory() as tmp:
-        dcp_to_torch_save(path, Path(tmp) / "full.pt")
-        checkpoint = torch.load(Path(tmp) / "full.pt", map_location="cpu", weights_only=True)
-    meta = path / "meta.pt"  # Lightning's FSDP strategy keeps the non-tensor fields beside the shards
-    extra = torch.load(meta, map_location="cpu", weights_only=True) if meta.is_file() else {}
+        with tempfile.TemporaryDirectory() as tmp:
+            dcp_to_torch_save(path, Path(tmp) / "full.pt")
+            checkpoint = torch.load(Path(tmp) / "full.pt", map_location="cpu", weights_only=True)
+        meta = path / "meta.pt"  # Lightning's FSDP strategy keeps the non-tensor fields beside the shards
+        extra = torch.load(meta, map_location="cpu", weights_only=True) if meta.is_file() else {}
     state_dict = from_heads_layout(checkpoint.get("model", checkpoint.get("state_dict", {})))
     return {**extra, **checkpoint, "state_dict": state_dict}
 
@@ -195,9 +197,13 @@ def read_model(checkpoint: str | Path) -> tuple[dict[str, Tensor], TransformerCo
         for k, v in state["state_dict"].items()
         if k.startswith(MODEL_PREFIX)
     }
-    model = Transformer(config)
-    weights = {k: v.clone() for k, v in with_tied_weights(weights, model).items()}  # DeepSpeed keeps one name
-    model.load_state_dict(weights, strict=True)  # fails here, not at load time, on a mismatch
+    shell = _shell(config)
+    weights = {k: v.clone() for k, v in with_tied_weights(weights, shell).items()}  # DeepSpeed keeps one name
+    problems = _mismatches(shell, {name: tuple(weight.shape) for name, weight in weights.items()})
+    if problems:  # here, not at load time
+        raise CheckpointError(
+            f"{path} does not match its model config ({problems}): pass a checkpoint cli.py fit wrote"
+        )
     return weights, config, tokenizer, _decoding(state, config)
 
 
@@ -247,7 +253,22 @@ def exported_metadata(path: str | Path) -> tuple[TransformerConfig, Tokenizer]:
         tokenizer = Tokenizer.from_str(metadata["tokenizer"])
     except Exception as err:  # KeyError, or whatever the tokenizers library raises on bad JSON
         raise CheckpointError(f"{path} holds no valid tokenizer ({_one_line(err)}): {redo}") from err
-    expected = {name: tuple(t.shape) for name, t in Transformer(config).state_dict().items()}
+    problems = _mismatches(_shell(config), shapes)
+    if problems:
+        raise CheckpointError(f"{path} does not match its model config ({problems}): {redo}")
+    return config, tokenizer
+
+
+def _shell(config: TransformerConfig) -> Transformer:
+    """The Transformer of ``config`` on the meta device: its names and shapes, with no memory behind them, so that a
+    file is checked against the sizes its config claims before anything of those sizes is allocated."""
+    with torch.device("meta"):
+        return Transformer(config)
+
+
+def _mismatches(shell: Transformer, shapes: dict[str, tuple[int, ...]]) -> str:
+    """How the tensor ``shapes`` of a file differ from the ``state_dict`` of ``shell`` ("" if they do not)."""
+    expected = {name: tuple(t.shape) for name, t in shell.state_dict().items()}
     problems = [f"missing {name}" for name in expected.keys() - shapes.keys()]
     problems += [f"unexpected {name}" for name in shapes.keys() - expected.keys()]
     problems += [
@@ -255,9 +276,7 @@ def exported_metadata(path: str | Path) -> tuple[TransformerConfig, Tokenizer]:
         for name, shape in expected.items()
         if name in shapes and shapes[name] != shape
     ]
-    if problems:
-        raise CheckpointError(f"{path} does not match its model config ({'; '.join(sorted(problems))}): {redo}")
-    return config, tokenizer
+    return "; ".join(sorted(problems))
 
 
 def _exported_config(path: Path, text: str | None, redo: str) -> TransformerConfig:

@@ -7,7 +7,8 @@ Lightning's own.
 
 DeepSpeed also writes a checkpoint folder file by file, so a save killed half-way would leave a folder
 that looks like a checkpoint; here every save goes to a hidden sibling folder and is renamed into place.
-Every folder is checked before DeepSpeed or torch.distributed.checkpoint unpickles it (they would run code).
+Every folder is checked before DeepSpeed or torch.distributed.checkpoint unpickles it (they would run code), and
+loaded with every unpickler restricted to plain data (:func:`~torch_handle.unpickling.unpickling_only_data`).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from torch_handle.errors import SetupError
 from torch_handle.parallel import DATA_PARALLEL, PIPELINE_PARALLEL, TENSOR_PARALLEL, PipelineConfig, set_zero3_units
 from torch_handle.parallel.layout import as_heads, is_packed, packed_names, to_heads_layout
 from torch_handle.parallel.pipeline import Schedule
+from torch_handle.unpickling import unpickling_only_data
 
 
 class _SafeFolders:
@@ -92,7 +94,8 @@ class _SafeFolders:
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         check_checkpoint(checkpoint_path)
-        return super().load_checkpoint(checkpoint_path, weights_only)
+        with unpickling_only_data(Path(checkpoint_path)):
+            return super().load_checkpoint(checkpoint_path, weights_only)
 
 
 def _remove(path: Path) -> None:
@@ -405,11 +408,11 @@ class ModelParallelStrategy(_SafeFolders, _LightningModelParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
-        if path.is_dir():  # one shard per process: checked, then read by parameter name
-            check_checkpoint(path)
-            return self._load_sharded(path, weights_only)
         check_checkpoint(path)
-        checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+        if path.is_dir():  # one shard per process, read by parameter name
+            with unpickling_only_data(path):
+                return self._load_sharded(path, weights_only)
+        checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=True)
         module = self.lightning_module
         with torch.no_grad():
             for name, tensor in module.state_dict().items():

@@ -1,0 +1,285 @@
+"""Hostile and damaged checkpoint files against every entry point that reads one.
+
+A generator plants a payload (unpickled, it creates a marker file) in every file shape an unpickler could meet: a
+legacy-format pickle with a valid ``torch.save`` archive appended (a polyglot), a legacy-format ``torch.save``, a
+bare pickle, an archive that pickles the payload; in a Lightning ``.ckpt``, in a ZeRO-2 folder's model states and
+optimizer shard, in an FSDP (torch.distributed.checkpoint) folder's bytes item, ``meta.pt`` and ``.metadata``. Every
+entry point refuses each in one line and the marker never appears; with the pre-check switched off, the loader-level
+guard alone still stops every payload. Damaged folders are named damaged, not hostile, and an export whose config
+claims a huge model is refused before anything of that size is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import pickle
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import torch_handle
+from tests.helpers import check, cli, fit_args
+from torch_handle import checkpoints, export, strategies
+from torch_handle.checkpoints import CheckpointError, check_checkpoint
+
+ZERO = "checkpoints/last.ckpt/checkpoint"
+BYTES_ITEM = "a bytes item of checkpoints/last.ckpt/.metadata"
+METADATA = "checkpoints/last.ckpt/.metadata"
+
+
+class Payload:
+    """Creates ``marker`` when unpickled (``builtins.open``, never a shell): what an attacker plants."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self) -> tuple:
+        return (open, (self.marker, "w"))
+
+
+def _saved(obj: object, legacy: bool = False) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer, _use_new_zipfile_serialization=not legacy)
+    return buffer.getvalue()
+
+
+SHAPES: dict[str, Callable[[bytes, Path], bytes]] = {
+    "polyglot": lambda original, marker: _saved(Payload(marker), legacy=True) + original,
+    "legacy": lambda original, marker: _saved({"state_dict": {}, "payload": Payload(marker)}, legacy=True),
+    "bare_pickle": lambda original, marker: pickle.dumps(Payload(marker)),
+    "pickled_payload": lambda original, marker: _saved({"state_dict": {}, "payload": Payload(marker)}),
+}
+"""Hostile file contents, from the bytes of the file (or item) they replace and the marker path."""
+
+TARGETS = {
+    "ckpt": ["checkpoints/last.ckpt"],
+    "zero2": [f"{ZERO}/zero_pp_rank_0_mp_rank_00_optim_states.pt", f"{ZERO}/mp_rank_00_model_states.pt"],
+    "fsdp": [BYTES_ITEM, "checkpoints/last.ckpt/meta.pt"],
+}
+CASES = [(kind, target, shape) for kind, targets in TARGETS.items() for target in targets for shape in SHAPES]
+CASES.append(("fsdp", METADATA, "pickled_payload"))
+
+
+@pytest.fixture(scope="module")
+def bases(tiny_demo_run: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Run folders of a tiny model as each strategy writes them: a ``.ckpt`` (one device), a ZeRO-2 folder and an
+    FSDP sharded folder (each strategy on one CPU process)."""
+    root = tmp_path_factory.mktemp("bases")
+    runs = {"ckpt": tiny_demo_run}
+    for kind in ("zero2", "fsdp"):
+        runs[kind] = root / kind
+        config = ["--config", f"configs/{kind}.yaml", "--trainer.devices", "1", "--trainer.max_steps", "2"]
+        check(cli(fit_args(runs[kind], *config)))
+    return runs
+
+
+def plant(base: Path, target: str, shape: str, tmp_path: Path) -> tuple[Path, Path, Path]:
+    """A copy of the run folder ``base`` with ``target`` made hostile: (run folder, its checkpoint, the marker)."""
+    run, marker = tmp_path / "run", tmp_path / "marker"
+    shutil.copytree(base, run, ignore=shutil.ignore_patterns(".lock"))
+    ckpt = run / "checkpoints" / "last.ckpt"
+    if target == METADATA:
+        metadata = pickle.loads((run / target).read_bytes())
+        metadata.planner_data = Payload(marker)
+        (run / target).write_bytes(pickle.dumps(metadata))
+    elif target == BYTES_ITEM:
+        _plant_in_bytes_item(ckpt, shape, marker)
+    else:
+        (run / target).write_bytes(SHAPES[shape]((run / target).read_bytes(), marker))
+    return run, ckpt, marker
+
+
+def _plant_in_bytes_item(folder: Path, shape: str, marker: Path) -> None:
+    """Points the first bytes item of a torch.distributed.checkpoint folder (an optimizer hyperparameter) at a
+    hostile blob appended to its shard, as an attacker edits ``.metadata``."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    metadata = pickle.loads((folder / ".metadata").read_bytes())
+    index, info = next(
+        (index, info)
+        for index, info in metadata.storage_data.items()
+        if isinstance(metadata.state_dict_metadata[index.fqn], BytesStorageMetadata)
+    )
+    shard = folder / info.relative_path
+    with shard.open("rb") as f:
+        f.seek(info.offset)
+        blob = SHAPES[shape](f.read(info.length), marker)
+    offset = shard.stat().st_size
+    with shard.open("ab") as f:
+        f.write(blob)
+    metadata.storage_data[index] = dataclasses.replace(info, offset=offset, length=len(blob))
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+def _one_line(message: str, path: Path) -> None:
+    assert "\n" not in message and str(path) in message, message
+
+
+def _check(ckpt: Path, tmp_path: Path) -> str:
+    with pytest.raises(CheckpointError) as error:
+        check_checkpoint(ckpt)
+    return str(error.value)
+
+
+def _load(ckpt: Path, tmp_path: Path) -> str:
+    with pytest.raises(CheckpointError) as error:
+        torch_handle.load(ckpt)
+    return str(error.value)
+
+
+def _export(ckpt: Path, tmp_path: Path) -> str:
+    with pytest.raises(SystemExit) as error:
+        export.main([str(ckpt), str(tmp_path / "out.safetensors")])
+    assert not (tmp_path / "out.safetensors").exists()
+    message = str(error.value.code)
+    assert message.startswith("error: "), message
+    return message
+
+
+ENTRY_POINTS = {"check_checkpoint": _check, "load": _load, "export": _export}
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+@pytest.mark.parametrize(("kind", "target", "shape"), CASES)
+def test_a_hostile_file_is_refused_in_one_line_and_runs_nothing(
+    bases: dict[str, Path], kind: str, target: str, shape: str, entry: str, tmp_path: Path
+) -> None:
+    _, ckpt, marker = plant(bases[kind], target, shape, tmp_path)
+    message = ENTRY_POINTS[entry](ckpt, tmp_path)
+    assert not marker.exists(), "the payload ran"
+    _one_line(message, ckpt)
+    assert "could run code" in message or "not a torch.save archive" in message, message
+
+
+@pytest.mark.parametrize(("kind", "target", "shape"), CASES)
+def test_the_loader_guard_alone_stops_every_payload(
+    bases: dict[str, Path], kind: str, target: str, shape: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With :func:`check_checkpoint` switched off, what reaches DeepSpeed's and torch.distributed.checkpoint's
+    unpicklers is hostile; they load under ``unpickling_only_data`` and refuse it."""
+    for module in (checkpoints, export, strategies):
+        monkeypatch.setattr(module, "check_checkpoint", Path)
+    _, ckpt, marker = plant(bases[kind], target, shape, tmp_path)
+    with pytest.raises((CheckpointError, RuntimeError)) as error:
+        export.read_model(ckpt)
+    assert not marker.exists(), "the payload ran"
+    if error.type is RuntimeError:  # DeepSpeed maps optimizer shards: torch.load refuses a non-archive unread
+        assert "mmap can only be used with files saved with" in str(error.value) and "optim_states" in target
+        return
+    _one_line(str(error.value), ckpt)
+    assert "weights-only loading refuses" in str(error.value)
+
+
+COMMANDS = {
+    "export": lambda run, ckpt, kind: ["export", str(ckpt), str(run / "out.safetensors")],
+    "test": lambda run, ckpt, kind: ["test", "--ckpt_path", str(ckpt), "--trainer.default_root_dir", str(run)],
+    "validate": lambda run, ckpt, kind: ["validate", "--ckpt_path", str(ckpt), "--trainer.default_root_dir", str(run)],
+    "predict": lambda run, ckpt, kind: [
+        "predict",
+        "--ckpt_path",
+        str(ckpt),
+        "--trainer.default_root_dir",
+        str(run),
+        "--data.init_args.predict_file",
+        str(run / "checkpoints" / "transformer.json"),
+    ],  # fmt: skip
+    "fit": lambda run, ckpt, kind: fit_args(
+        run,
+        *([] if kind == "ckpt" else ["--config", f"configs/{kind}.yaml", "--trainer.devices", "1"]),
+        "--ckpt_path",
+        "last",
+    ),  # fmt: skip
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize(("kind", "target"), [(kind, targets[0]) for kind, targets in TARGETS.items()])
+def test_every_command_refuses_a_polyglot_in_one_line(
+    bases: dict[str, Path], kind: str, target: str, command: str, tmp_path: Path
+) -> None:
+    """``torch-handle export|test|validate|predict|fit --ckpt_path`` on the checkpoint each strategy writes, with a
+    polyglot where the loader would unpickle it: one ``error:`` line, exit 1, and the marker never appears."""
+    run, ckpt, marker = plant(bases[kind], target, "polyglot", tmp_path)
+    result = cli(COMMANDS[command](run, ckpt, kind))
+    output = result.stdout + result.stderr
+    assert not marker.exists(), "the payload ran"
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert result.returncode != 0 and len(errors) == 1 and "Traceback" not in output, output[-3000:]
+    assert "could run code" in errors[0], errors[0]
+
+
+# --- damaged, not hostile ----------------------------------------------------------------------------------
+
+
+def _copy(base: Path, tmp_path: Path) -> Path:
+    shutil.copytree(base / "checkpoints" / "last.ckpt", tmp_path / "last.ckpt")
+    return tmp_path / "last.ckpt"
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _unsave_a_rank(ckpt: Path) -> None:
+    """A ZeRO-2 folder of two ranks missing the second's optimizer shard (the model states of a one-process run,
+    told that two saved)."""
+    states = ckpt / "checkpoint" / "mp_rank_00_model_states.pt"
+    torch.save({**torch.load(states, weights_only=False), "dp_world_size": 2}, states)  # our own file
+
+
+DAMAGES: dict[str, tuple[str, Callable[[Path], None], str]] = {
+    "truncated_zero_shard": ("zero2", lambda c: _truncate(c / "checkpoint/zero_pp_rank_0_mp_rank_00_optim_states.pt"),
+                             "is truncated or corrupt"),
+    "missing_zero_rank": ("zero2", _unsave_a_rank, "holds 1 of the 2 optimizer shards"),
+    "truncated_fsdp_shard": ("fsdp", lambda c: _truncate(c / "__0_0.distcp"), "is truncated"),
+    "missing_fsdp_shard": ("fsdp", lambda c: (c / "__0_0.distcp").unlink(), "is missing"),
+    "truncated_metadata": ("fsdp", lambda c: _truncate(c / ".metadata"), "is truncated or corrupt"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_a_damaged_folder_is_named_damaged_in_one_line(bases: dict[str, Path], damage: str, tmp_path: Path) -> None:
+    kind, damaging, expected = DAMAGES[damage]
+    ckpt = _copy(bases[kind], tmp_path)
+    damaging(ckpt)
+    message = _export(ckpt, tmp_path)
+    _one_line(message, ckpt)
+    assert expected in message and "damaged" in message and "could run code" not in message, message
+
+
+# --- an export's config cannot make us allocate ------------------------------------------------------------
+
+
+def test_an_export_claiming_a_huge_model_is_refused_before_building_it(
+    tiny_demo_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forged ``__metadata__`` config (d_model 65536: tens of GB) over the tiny weights is checked against the
+    header's shapes on the meta device; a Transformer of real memory is never built."""
+    exported = export.export(tiny_demo_run / "checkpoints" / "last.ckpt", tmp_path / "model.safetensors")
+    with safe_open(exported, framework="pt") as f:
+        metadata, weights = f.metadata(), {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    config = json.loads(metadata["transformer"])
+    forged = tmp_path / "forged.safetensors"
+    save_file(weights, forged, metadata={**metadata, "transformer": json.dumps({**config, "d_model": 65536})})
+
+    real = export.Transformer
+
+    def only_on_meta(config: export.TransformerConfig) -> export.Transformer:
+        assert torch.empty(0).device.type == "meta", f"a Transformer of d_model {config.d_model} was built"
+        return real(config)
+
+    monkeypatch.setattr(export, "Transformer", only_on_meta)
+    for read in (export.exported_metadata, torch_handle.load):
+        with pytest.raises(CheckpointError) as error:
+            read(forged)
+        _one_line(str(error.value), forged)
+        assert "does not match its model config" in str(error.value)
