@@ -27,10 +27,11 @@ class Throughput(ThroughputMonitor):
 
     On in every ``torch-handle`` run (``--throughput.*`` sets it), for training and validation; decoding in
     ``test`` and ``predict`` is not measured. Processes that compute one batch together (tensor, pipeline or
-    context parallelism) each count their share of it, so global figures count each batch once. Values are
-    averages over ``window_size`` batches, logged every ``--trainer.log_every_n_steps``. Batches are built to a
-    token budget, so their size varies: FLOPs are counted for every batch from its real lengths
-    (:mod:`torch_handle.flops`) rather than measured once.
+    context parallelism) are counted as one replica that sees the whole batch: global figures count each batch
+    once, ``device/`` figures are one replica's, and MFU divides by the replica's devices' peak, so it is each
+    device's. Values are averages over ``window_size`` batches, logged every ``--trainer.log_every_n_steps``.
+    Batches are built to a token budget, so their size varies: FLOPs are counted for every batch from its real
+    lengths (:mod:`torch_handle.flops`) rather than measured once.
 
     Args:
         peak_flops: Peak FLOP/s of one device for the run's dtype, e.g. ``989e12`` for an H100/H200 in bf16
@@ -40,38 +41,38 @@ class Throughput(ThroughputMonitor):
     """
 
     def __init__(self, peak_flops: float | None = None, window_size: int = 50) -> None:
-        super().__init__(batch_size_fn=self._rows, length_fn=self._tokens, window_size=window_size)
+        super().__init__(batch_size_fn=self._rows, length_fn=_tokens, window_size=window_size)
         self.peak_flops = peak_flops
-        self._share = 1.0  # the part of each batch that one process computes
 
-    def _rows(self, batch: dict[str, Any]) -> float:
-        return batch["src"].shape[0] * self._share
+    @staticmethod
+    def _rows(batch: dict[str, Any]) -> int:
+        return batch["src"].shape[0]
 
-    def _tokens(self, batch: dict[str, Any]) -> float:
-        return _tokens(batch) * self._share
-
-    def _set_share(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """Lightning multiplies one process's figures by the processes for the global ones; processes that compute
-        one batch together (tensor, pipeline or context parallelism) each count their share of it, so that the
-        global figures count each batch once and MFU is each device's own."""
+    def _count_replicas(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Lightning multiplies one process's figures by its ``world_size`` for the global ones, and checks that a
+        process sees at least one sample per batch: with one document split over two processes, a per-process share
+        (half a row) failed that check. So each process reports its replica's whole batch and the monitor's
+        ``world_size`` is the number of replicas. The mesh of context parallelism exists only once the model is
+        configured, hence per batch."""
         mesh = pl_module.device_mesh
         replicas = trainer.world_size if mesh is None else mesh[DATA_PARALLEL].size()
-        self._share = replicas / trainer.world_size
+        for throughput in self._throughputs.values():
+            throughput.world_size = replicas
+            if self.available_flops is not None:
+                throughput.available_flops = self.available_flops * (trainer.world_size // replicas)
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         if self.peak_flops is not None:
             self.available_flops = self.peak_flops
-            for throughput in self._throughputs.values():
-                throughput.available_flops = self.peak_flops
 
     @override
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._set_share(trainer, pl_module)
-        pl_module.flops_per_batch = self._share * training_flops(
+        self._count_replicas(trainer, pl_module)
+        pl_module.flops_per_batch = training_flops(
             pl_module.config, _lengths(batch, "src"), _lengths(batch, "tgt", drop_last=True)
         )
 
@@ -79,8 +80,8 @@ class Throughput(ThroughputMonitor):
     def on_validation_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        self._set_share(trainer, pl_module)
-        pl_module.flops_per_batch = self._share * forward_flops(
+        self._count_replicas(trainer, pl_module)
+        pl_module.flops_per_batch = forward_flops(
             pl_module.config, _lengths(batch, "src"), _lengths(batch, "tgt", drop_last=True)
         )
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.context_parallel_worker import CASES
-from tests.helpers import ROOT, TINY_MODEL, check, cli, torchrun_results
+from tests.helpers import ROOT, TINY_MODEL, check, cli, csv_logger, logged, torchrun_results
 from torch_handle.errors import SetupError
 from torch_handle.export import read_checkpoint
 from torch_handle.model import ConfigError, Transformer, TransformerConfig
@@ -174,3 +174,14 @@ def test_a_context_parallel_run_resumes_exactly(cp_run: Path, documents: Path, t
     want, got = _weights(cp_run), _weights(tmp_path)
     for name in want:
         assert torch.equal(got[name], want[name]), name
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_the_shipped_config_trains_one_document_per_batch(documents: Path, tmp_path: Path) -> None:
+    """As summarization_cp.yaml is built to run: every batch one document (its budget is one source's:
+    ``max_tokens`` = ``max_source_tokens``), split over the two processes. Throughput counts that document once a step
+    (each process reported its half, which Lightning's monitor refused at the first step: 0.5 samples, 1 batch)."""
+    one_document = ["--data.init_args.max_tokens", "300"]  # = _cp_args' max_source_tokens; every story is longer
+    check(cli(_cp_args(tmp_path, documents, 2, *one_document, *csv_logger(tmp_path))))
+    assert logged(tmp_path, "train/samples") == logged(tmp_path, "train/batches") == [1.0, 2.0, 3.0, 4.0]

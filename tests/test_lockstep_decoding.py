@@ -11,17 +11,21 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import pytest
+import torch
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 from typing_extensions import override
 
 from tests.helpers import STRATEGY_CONFIGS, TINY_MODEL, check, cli
 from torch_handle.export import export
+from torch_handle.model import CompiledDecode, Transformer, TransformerConfig
+from torch_handle.model.generation import generate
 
 WORDS = [f"{a}{b}{c}" for a in "bdgkmpst" for b in "aeiou" for c in "lnr"]
 MODEL = [
@@ -80,6 +84,35 @@ class OutputRecorder(Callback):
         path.write_text(json.dumps(self.outputs))
 
 
+class EndsEarly(Callback):
+    """Fault injection into ``test``'s decoding: every beam of a real call writes EOS from its third token on (the call
+    ends early), and the dummy calls of ``_wait_for_other_ranks`` never write EOS, so the other processes stop a dummy
+    beam search before it holds a finished hypothesis (one process's decoding is the same with or without peers)."""
+
+    @override
+    def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        model, wait, eos = pl_module.model, pl_module._wait_for_other_ranks, pl_module.config.eos_id
+        decode, dummy = model.decode, [False]
+
+        def waiting() -> None:
+            dummy[0] = True
+            wait()
+            dummy[0] = False
+
+        def decode_ending_early(tgt: Tensor, memory: Tensor, padding: Tensor, cache: Any = None, **kw: Any) -> Tensor:
+            logits = decode(tgt, memory, padding, cache, **kw)
+            if cache is None:  # the loss
+                return logits
+            cache.steps = getattr(cache, "steps", 0) + 1
+            if dummy[0]:
+                logits[..., eos] = float("-inf")
+            elif cache.steps > 2:
+                logits[..., eos] = logits.max() + 1
+            return logits
+
+        pl_module._wait_for_other_ranks, model.decode = waiting, decode_ending_early
+
+
 @pytest.fixture(scope="module")
 def summarizer(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A tiny summarizer exported after one training step, and a test set of 4 short and 2 long documents: one
@@ -133,3 +166,63 @@ def test_mixed_length_summaries_on_two_processes_equal_one_process(
     assert len(expected) == 6 and long == 2, "short and long documents, decoded"
     outputs, _ = _test_outputs(model, test, tmp_path / strategy, "--config", STRATEGY_CONFIGS[strategy])
     assert outputs == expected
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(1200)
+def test_beam_search_in_lockstep_survives_a_dummy_call_stopped_before_any_hypothesis(
+    summarizer: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """ZeRO-3, two beams, the short documents on one process and the long ones on the other: the process that runs
+    out first makes dummy calls, which its peer's real calls (ended early, see :class:`EndsEarly`) stop before they
+    finish a hypothesis. Beam search failed there (``max() arg is an empty sequence``) and the peer died with it."""
+    model, test = summarizer
+    injected = "--trainer.callbacks+=tests.test_lockstep_decoding.EndsEarly"
+    expected, _ = _test_outputs(model, test, tmp_path / "single", "--trainer.devices", "1", injected)
+    outputs, _ = _test_outputs(model, test, tmp_path / "zero3", "--config", STRATEGY_CONFIGS["zero3"], injected)
+    assert outputs == expected
+
+
+# --- the dummy call itself, on every decoding path, in one process ----------------------------------------------
+
+EOS = 2
+
+
+def _stopped_by_peers(steps: int) -> Callable[[bool], bool]:
+    """The ``all_done`` of a lockstep dummy call: every other process is done after ``steps`` more steps, whatever
+    this process's own state (``_wait_for_other_ranks`` passes ``lambda _: all_done(True)``)."""
+    calls = iter(range(10**6))
+    return lambda _: next(calls) >= steps
+
+
+def _decode_options(path: str, model: Transformer, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    if path == "static":
+        return {"cuda_graph": True}  # off CUDA the static cache's step runs eagerly
+    if path == "compiled":  # the compiled step's search logic, without Inductor's compile time: the step runs eagerly
+        monkeypatch.setattr(torch, "compile", lambda fn: fn)
+        return {"decode": CompiledDecode(model)}
+    return {}
+
+
+@pytest.mark.usefixtures("single_thread")
+@pytest.mark.parametrize("num_beams", [1, 2, 4])
+@pytest.mark.parametrize("path", ["dynamic", "static", "compiled"])
+@torch.no_grad()
+def test_a_lockstep_dummy_call_survives_on_every_decoding_path(
+    path: str, num_beams: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The dummy batch ``_wait_for_other_ranks`` decodes (one EOS source), stopped by the other processes at the
+    first step, a few steps in, or never before ``max_new_tokens``: always some tokens, never an error (beam search
+    stopped with no finished hypothesis failed on ``max()`` of nothing)."""
+    torch.manual_seed(0)
+    config = TransformerConfig(
+        src_vocab_size=29, tgt_vocab_size=29, d_model=16, num_heads=2, num_encoder_layers=1, num_decoder_layers=1,
+        d_ff=32, dropout=0.0, max_len=32, eos_id=EOS,
+    )  # fmt: skip
+    model = Transformer(config).eval()
+    options = _decode_options(path, model, monkeypatch)
+    dummy = torch.full((1, 1), EOS, dtype=torch.long)  # (1, 1), as _wait_for_other_ranks builds it
+    for steps in (0, 1, 2, 5, 100):
+        out = generate(model, dummy, 8, num_beams, 1.0, _stopped_by_peers(steps), **options)
+        assert out.dtype == torch.long and out.shape[0] == 1 and 1 <= out.shape[1] <= 8, (steps, out.shape)

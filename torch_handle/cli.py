@@ -45,6 +45,7 @@ from torch_handle.data.base import Seq2SeqDataModule
 from torch_handle.errors import DataError, SetupError
 from torch_handle.export import configure_from_exported, exported_weights, is_exported, merged_checkpoint
 from torch_handle.hparams import RUNTIME, explicit_model_options, merge_checkpoint_options
+from torch_handle.layouts import deepspeed_refusal
 from torch_handle.model import BackendUnavailableError, ConfigError
 from torch_handle.module import Seq2SeqModule
 from torch_handle.strategies import require_deepspeed
@@ -225,7 +226,8 @@ class TorchHandleCLI(LightningCLI):
 
     def before_fit(self) -> None:
         """One run per folder: a second run started in it stops with one line instead of sharing its files. A
-        folder of shards resumes under the strategy that wrote it only."""
+        folder of shards resumes under the strategy that wrote it only (ZeRO: of its stage), and ZeRO resumes no full
+        ``.ckpt`` (:mod:`torch_handle.layouts`)."""
         folder = self._unreadable_folder()
         if folder is not None:
             raise CheckpointError(
@@ -233,6 +235,12 @@ class TorchHandleCLI(LightningCLI):
                 f"{type(self.trainer.strategy).__name__} cannot resume: resume it with the strategy config that wrote "
                 "it (test, predict and export read it with any)"
             )
+        path = self.config_init[self.subcommand].get("ckpt_path")
+        refusal = (
+            None if path is None or not Path(path).exists() else deepspeed_refusal(Path(path), self.trainer.strategy)
+        )
+        if refusal is not None:
+            raise CheckpointError(refusal)
         if rank_zero_only.rank == 0:
             lock_run_folder(self.trainer.default_root_dir)
 

@@ -23,6 +23,8 @@ from typing import Any, Literal
 import torch
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.strategies.deepspeed import _DEEPSPEED_AVAILABLE
+from lightning.fabric.strategies.fsdp import _get_full_state_dict_context
+from lightning.fabric.strategies.model_parallel import _load_raw_module_state
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import CPUAccelerator
@@ -54,6 +56,7 @@ from torch_handle.checkpoints import (
     recover_interrupted_save,
 )
 from torch_handle.errors import SetupError
+from torch_handle.layouts import optimizer_state_by_name
 from torch_handle.parallel import DATA_PARALLEL, PIPELINE_PARALLEL, TENSOR_PARALLEL, PipelineConfig, set_zero3_units
 from torch_handle.parallel.layout import as_heads, is_packed, packed_names, to_heads_layout
 from torch_handle.parallel.pipeline import Schedule
@@ -294,6 +297,25 @@ class FSDPStrategy(_SafeFolders, _LightningFSDPStrategy):
                 **self.kwargs,
             )
         return super()._setup_model(model)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """A full ``.ckpt`` (DDP or one device) resumed under FSDP: its weights and its optimizer state, keyed by
+        parameter name first (:func:`~torch_handle.layouts.optimizer_state_by_name`), then sharded by FSDP."""
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if path.is_dir() or self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
+            return super().load_checkpoint(path, weights_only)
+        check_checkpoint(path)
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        strict = self.lightning_module.strict_loading
+        _load_raw_module_state(checkpoint.pop("state_dict"), self.model, world_size=self.world_size, strict=strict)
+        with _get_full_state_dict_context(self.model, world_size=self.world_size, rank0_only=False):
+            for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
+                by_name = optimizer_state_by_name(state, optimizer, self.model)
+                optimizer.load_state_dict(
+                    FullyShardedDataParallel.optim_state_dict_to_load(self.model, optimizer, by_name)
+                )
+        return checkpoint
 
 
 class ModelParallelStrategy(_SafeFolders, _LightningModelParallelStrategy):

@@ -279,7 +279,8 @@ def beam_search(
     """Keep the ``num_beams`` best prefixes per source; a hypothesis scores ``log p / length ** length_penalty``.
 
     A source is done once it holds ``num_beams`` finished hypotheses (early stopping), and its beams leave
-    the batch; at ``max_new_tokens`` the open beams are finished as they stand. ``decode``, or ``cuda_graph`` on a
+    the batch; at ``max_new_tokens``, or where ``all_done`` stops a process whose sources still search (a lockstep
+    call that only mirrors the others'), the open beams are finished as they stand. ``decode``, or ``cuda_graph`` on a
     GPU: steps run that compiled step (:class:`CompiledDecode`), or replay each as a CUDA graph, over a static
     cache reordered in place, where the beams of finished sources keep stepping and are ignored, until half the
     sources have finished; the rest then go on eagerly over a dynamic cache (:meth:`DecoderCache.dynamic`), as
@@ -342,6 +343,11 @@ def beam_search(
             if len(finished[row]) < k:
                 searching.append(i)
         if all_done(not searching):
+            if searching:  # stopped by the other processes (a lockstep call that mirrors theirs): finish what is open
+                prefixes = tokens[:, 1:].tolist() if prefixes is None else prefixes
+                for i in searching:
+                    for beam, token, score in zip(next_beam[i], next_token[i], next_score[i], strict=True):
+                        finish(active[i], prefixes[i * k + beam] + [token], score)
             break
         # Once half the sources have finished, the rest go on eagerly: the static step pays only while most run.
         handover = static is not None and step < max_new_tokens - 1 and 2 * len(searching) <= n
