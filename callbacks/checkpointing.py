@@ -1,4 +1,5 @@
-"""Lightning's ModelCheckpoint, made safe to kill: atomic files, exact resume, saves on schedule and on SIGTERM."""
+"""Lightning's ModelCheckpoint, made safe to kill: atomic files, exact resume, saves on schedule, on SIGTERM and on
+Ctrl-C."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -21,14 +23,14 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch_handle.callbacks.rng import get_rng_states, set_rng_states
 from typing_extensions import override
 
-from torch_handle.atomic import TEMP_SUFFIX, atomic_path, atomic_write_text
+from torch_handle.atomic import atomic_path, atomic_write_text, remove_leftovers
+from torch_handle.callbacks.rng import get_rng_states, set_rng_states
 from torch_handle.checkpoints import CONFIG_FILE, TOKENIZER_FILE, CheckpointError
 
 log = logging.getLogger(__name__)
-PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM  # what a shell reports for a process ended by SIGTERM
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # preemption, and a user's Ctrl-C
 RNG_KEY = "rng_states"  # one entry per global rank
 
 
@@ -67,8 +69,9 @@ class Checkpoint(ModelCheckpoint):
       removed when the next run starts.
     - ``every_n_train_steps`` writes ``last.ckpt`` on schedule even before ``monitor`` has a value (Lightning
       would wait for the first validation); the top-k save still waits for it.
-    - On SIGTERM (preemption) every process saves ``last.ckpt`` at the end of the same step, then the job exits
-      with status 143; rerunning with ``--ckpt_path last`` continues from there.
+    - On SIGTERM (preemption) or SIGINT (Ctrl-C) every process saves ``last.ckpt`` at the end of the same step,
+      then the job exits with the status a shell gives that signal (143, 130); rerunning with ``--ckpt_path last``
+      continues from there. A second Ctrl-C ends the job at once, saving nothing more.
     - Each process's random state (dropout) is saved and restored, so a resumed run draws what the
       uninterrupted one would have.
     - ``last.ckpt`` is also written when training ends between two scheduled saves, so it is always the end
@@ -77,7 +80,8 @@ class Checkpoint(ModelCheckpoint):
 
     _rng_states: dict[str, Any] | None = None  # the training stream's state after the last training batch
     _resumed_from: str | None = None  # the checkpoint this run restores, known before its state is loaded
-    _sigterm = False  # set by the SIGTERM handler during training
+    _stop_signal: signal.Signals | None = None  # set by the signal handler during training
+    _announces = False  # whether this process says what a Ctrl-C does (global rank 0)
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -94,19 +98,28 @@ class Checkpoint(ModelCheckpoint):
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """From here SIGTERM only raises a flag that all processes agree on at the end of the step.
+        """From here SIGTERM and SIGINT only raise a flag that all processes agree on at the end of the step.
 
-        Lightning's handler runs a collective (a broadcast) inside the signal handler; on two processes it
-        pairs with whatever collective the other process is in, and the job hangs. Lightning restores the
-        previous handler when training ends.
+        Lightning's SIGTERM handler runs a collective (a broadcast) inside the signal handler; on two processes it
+        pairs with whatever collective the other process is in, and the job hangs. Its SIGINT (Python's
+        ``KeyboardInterrupt``) stops every process wherever it is, saving nothing. Lightning's signal connector
+        restores both previous handlers when training ends.
         """
         super().on_train_start(trainer, pl_module)
-        self._sigterm = False
+        self._stop_signal = None
+        self._announces = trainer.is_global_zero
         if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._on_sigterm)
+            for signum in STOP_SIGNALS:
+                signal.signal(signum, self._on_stop_signal)
 
-    def _on_sigterm(self, signum: int, frame: object) -> None:
-        self._sigterm = True
+    def _on_stop_signal(self, signum: int, frame: object) -> None:
+        self._stop_signal = signal.Signals(signum)
+        if signum != signal.SIGINT:
+            return
+        # The kernel's default action, not Python's: it ends a process blocked in a collective or a save too.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        if self._announces:
+            sys.stderr.write("Ctrl-C: saving at the end of this step, then stopping; Ctrl-C again stops at once\n")
 
     @override
     def on_train_batch_start(
@@ -122,8 +135,10 @@ class Checkpoint(ModelCheckpoint):
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._rng_states = get_rng_states()
-        if trainer.strategy.reduce_boolean_decision(self._sigterm or trainer.received_sigterm, all=False):
-            self._save_and_exit_on_sigterm(trainer)
+        stop = self._stop_signal is not None or trainer.received_sigterm
+        if trainer.strategy.reduce_boolean_decision(stop, all=False):
+            ctrl_c = trainer.strategy.reduce_boolean_decision(self._stop_signal == signal.SIGINT, all=False)
+            self._save_and_exit_on_signal(trainer, signal.SIGINT if ctrl_c else signal.SIGTERM)
         scheduled = self._every_n_train_steps >= 1 and trainer.global_step % self._every_n_train_steps == 0
         waits_for_monitor = self.monitor is not None and self.monitor not in self._monitor_candidates(trainer)
         if scheduled and self.save_last and waits_for_monitor and not self._should_skip_saving_checkpoint(trainer):
@@ -143,7 +158,7 @@ class Checkpoint(ModelCheckpoint):
         exit status 0; save there too, and report the stop as a preemption."""
         super().on_exception(trainer, pl_module, exception)
         if isinstance(exception, SIGTERMException):
-            self._save_and_exit_on_sigterm(trainer, exception)
+            self._save_and_exit_on_signal(trainer, signal.SIGTERM, exception)
 
     @override
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
@@ -206,27 +221,27 @@ class Checkpoint(ModelCheckpoint):
         self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
         self._last_global_step_saved = previous
 
-    def _save_and_exit_on_sigterm(self, trainer: L.Trainer, exception: SystemExit | None = None) -> None:
+    def _save_and_exit_on_signal(
+        self, trainer: L.Trainer, signum: signal.Signals, exception: SystemExit | None = None
+    ) -> None:
+        """Saves ``last.ckpt`` and ends the job with the status a shell reports for a process ended by ``signum``."""
         if trainer.global_step != self._last_global_step_saved or not self.last_model_path:
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
         if trainer.is_global_zero:
             log.warning(
-                f"stopped by SIGTERM at step {trainer.global_step}: saved {self.last_model_path}; rerun the same "
-                "command with --ckpt_path last to continue"
+                f"stopped by {signum.name} at step {trainer.global_step}: saved {self.last_model_path}; rerun the "
+                "same command with --ckpt_path last to continue"
             )
         if exception is not None:
-            exception.code = PREEMPTED_EXIT_CODE
+            exception.code = 128 + signum
             return
-        raise SystemExit(PREEMPTED_EXIT_CODE)
+        raise SystemExit(128 + signum)
 
     @rank_zero_only
     def _remove_unfinished_saves(self) -> None:
         """Checkpoints of a save that was killed half-way (hidden temp files) are removed, never resumed from."""
-        if self.dirpath is None or not Path(self.dirpath).is_dir():
-            return
-        for stale in Path(self.dirpath).glob(f".*{self.FILE_EXTENSION}.*{TEMP_SUFFIX}"):
-            log.info(f"removing {stale}, left by a checkpoint save that was killed")
-            stale.unlink(missing_ok=True)
+        if self.dirpath is not None and Path(self.dirpath).is_dir():
+            remove_leftovers(self.dirpath)
 
     @rank_zero_only
     def _save_companions(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -189,8 +189,8 @@ def test_decoding_defaults_are_the_modules_and_the_data_modules() -> None:
 
 
 KINDS = "a .safetensors export, a .ckpt file, a DeepSpeed or FSDP checkpoint folder, or a run folder"
-EXPORT = "python -m torch_handle.export"
-FIT = "python cli.py fit --config ..."
+EXPORT = "torch-handle export"  # from Python, messages name the installed command
+FIT = "torch-handle fit --config ..."
 
 
 @pytest.mark.parametrize("case", ["missing", "folder", "text_ckpt", "truncated_export", "bad_decoding", "empty_run"])

@@ -7,8 +7,10 @@ import json
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,6 +21,8 @@ from conftest import TINY_MODEL_ARGS
 
 from tests.helpers import RUN_TIMEOUT
 from torch_handle.cli import main
+from torch_handle.commands import PACKAGE, typed_command
+from torch_handle.data.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = str(ROOT / "configs" / "demo.yaml")
@@ -142,9 +146,9 @@ def test_bad_input_exits_with_one_line_and_writes_nothing(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["missing_file", "not_utf8"])
+@pytest.mark.parametrize("case", ["missing_file", "not_utf8", "folder", "device"])
 def test_bad_predict_file_writes_no_predictions(tiny_demo_run: Path, tmp_path: Path, case: str) -> None:
-    predict_file = tmp_path / "in.txt"
+    predict_file = {"folder": tmp_path, "device": Path("/dev/zero")}.get(case, tmp_path / "in.txt")
     if case == "not_utf8":
         _write(predict_file, b"the dog sees a cat\nthe cat \xe4 sees\n")
     written = set(tiny_demo_run.glob("predictions-*.txt"))  # the default output's names
@@ -158,8 +162,15 @@ def test_bad_predict_file_writes_no_predictions(tiny_demo_run: Path, tmp_path: P
                 *QUIET,
             ]
         )
-    expected = f"{predict_file}:2: not UTF-8" if case == "not_utf8" else f"{predict_file}: file not found"
-    assert isinstance(exit_info.value.code, str) and expected in exit_info.value.code
+    assert (
+        exit_info.value.code
+        == {
+            "missing_file": f"error: {predict_file}: file not found; check the path",
+            "not_utf8": f"error: {predict_file}:2: not UTF-8 (byte 0xe4); re-save the file as UTF-8",
+            "folder": f"error: {tmp_path} is a folder, not a file; pass the path of a file in it",
+            "device": "error: /dev/zero is not a regular file (a device, a pipe or a socket); pass the path of a file",
+        }[case]
+    )
     assert set(tiny_demo_run.glob("predictions-*.txt")) == written
 
 
@@ -348,7 +359,7 @@ ONE_LINE_ERRORS: dict[str, tuple[Callable[[Path], list[str]], str]] = {
     ),
     "fit_truncated_checkpoint": (
         lambda t: _fit(t / "run", f"--ckpt_path={_truncated_checkpoint(t / 'truncated.ckpt')}"),
-        "error: {t}/truncated.ckpt is not a checkpoint (not a torch.save archive): pass a .ckpt file",
+        "error: {t}/truncated.ckpt is not a Lightning checkpoint (a truncated or damaged archive): pass another .ckpt",
     ),
     "fit_malicious_checkpoint": (
         lambda t: _fit(t / "run", f"--ckpt_path={_evil_checkpoint(t / 'evil.ckpt')}"),
@@ -433,3 +444,97 @@ def test_a_new_fit_in_a_run_folder_with_a_checkpoint_is_one_line_and_keeps_it(ti
         "last, or start a new run in another --trainer.default_root_dir"
     )
     assert {path: path.stat().st_mtime_ns for path in tiny_demo_run.rglob("*")} == before
+
+
+def test_fit_beside_a_live_run_with_a_checkpoint_names_the_run(tmp_path: Path) -> None:
+    """The folder's last.ckpt is not an earlier run's while a run is still writing it: the live run is named."""
+    hold = f"import torch_handle.atomic as a; a.lock_run_folder({str(tmp_path)!r}); print(flush=True); input()"
+    live = subprocess.Popen([sys.executable, "-c", hold], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        live.stdout.readline()  # the folder is locked
+        _write(tmp_path / "checkpoints" / "last.ckpt", b"")
+        message = _cli_error(["fit", f"--config={DEMO}", f"--trainer.default_root_dir={tmp_path}", *QUIET])
+    finally:
+        live.communicate(b"\n", timeout=60)
+    assert message == (
+        f"error: {tmp_path} is in use by another run (pid {live.pid}); wait for it to end, or give this run its "
+        "own --trainer.default_root_dir"
+    )
+
+
+@pytest.mark.slow
+def test_a_run_folder_that_lost_its_tokenizer_decodes_with_the_checkpoints(tiny_demo_run: Path, tmp_path: Path) -> None:
+    inputs = _write(tmp_path / "in.txt", "the dog sees a cat\nmy two old birds helped the king\n")
+    damaged = tmp_path / "run"
+    shutil.copytree(tiny_demo_run / "checkpoints", damaged / "checkpoints")
+    (damaged / "checkpoints" / "tokenizer.json").unlink()
+    outputs = []
+    for run in (tiny_demo_run, damaged):
+        output = tmp_path / f"{run.name}.txt"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            main(
+                [
+                    "predict",
+                    *_tiny(run),
+                    f"--data.init_args.predict_file={inputs}",
+                    f"--prediction_writer.output={output}",
+                ]
+            )
+        outputs.append(output.read_text(encoding="utf-8"))
+    assert outputs[1] == outputs[0]
+    checkpoints = damaged / "checkpoints"
+    assert f"{checkpoints}/tokenizer.json is missing: using the tokenizer saved in {checkpoints}/last.ckpt" in [
+        str(w.message) for w in caught
+    ]
+
+
+@pytest.mark.slow
+def test_a_tokenizer_with_an_id_past_its_vocabulary_is_one_line(tmp_path: Path) -> None:
+    """The Rust library would size a table by the largest id and abort the process allocating it."""
+    data = json.loads(Tokenizer.train(["one two three four five six"] * 20, vocab_size=300).to_str())
+    vocab = data["model"]["vocab"]
+    token = next(token for token, id_ in vocab.items() if id_ == 100)
+    vocab[token] = 1_500_000_000
+    path = _write(tmp_path / "tokenizer.json", json.dumps(data))
+    run = subprocess.run(
+        [sys.executable, "cli.py", "fit", f"--trainer.default_root_dir={tmp_path}", f"--data.tokenizer_path={path}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+    )
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert run.stderr.strip().splitlines()[-1] == (
+        f"error: {path} is not a torch-handle tokenizer file: not a tokenizer JSON (token {token!r} has id "
+        f"1500000000, outside 0-{len(vocab) - 1})"
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv0", "expected"),
+    [
+        ("/usr/local/bin/torch-handle", "torch-handle export"),
+        ("cli.py", "python cli.py export"),
+        (str(PACKAGE / "cli.py"), "python -m torch_handle.cli export"),
+        (str(PACKAGE / "export.py"), "python -m torch_handle.export"),
+        ("/opt/venv/lib/ipykernel_launcher.py", "torch-handle export"),  # from Python: the installed command
+    ],
+)
+def test_messages_name_the_command_the_user_typed(argv0: str, expected: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "argv", [argv0])
+    assert typed_command("export") == expected
+
+
+def test_an_unknown_option_names_the_command_the_user_typed() -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "torch_handle.cli", "fit", "--nosuch"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+    )
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines()[-1] == (
+        "error: unrecognized arguments: --nosuch (see python -m torch_handle.cli fit --help)"
+    )

@@ -23,6 +23,7 @@ from torch_handle.data import (
     TranslationDataModule,
     demo_corpus,
 )
+from torch_handle.data.io import read_lines
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 MULTI30K = DATA / "multi30k"
@@ -509,3 +510,13 @@ def test_length_limits_follow_the_model_context() -> None:
     batch = max(dm.train_dataloader(), key=lambda b: b["src"].shape[1])
     assert batch["src"].shape[1] == 12
     model(batch["src"], batch["tgt"][:, :-1])  # the positions table would raise for a longer batch
+
+
+def test_a_file_with_nul_bytes_is_read_with_one_warning(tmp_path: Path) -> None:
+    path = tmp_path / "in.txt"
+    path.write_bytes(b"the dog sees a cat\n\0\0\0\0\n")
+    with pytest.warns(UserWarning) as record:
+        assert read_lines(path) == ["the dog sees a cat", "\0\0\0\0"]
+    assert [str(w.message) for w in record] == [
+        f"{path}:2: 4 NUL byte(s), which text never holds: is this the file you meant?"
+    ]

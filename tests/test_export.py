@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import signal
 import struct
 import subprocess
 import sys
@@ -182,3 +183,37 @@ def test_export_of_a_missing_checkpoint_is_one_line_and_writes_nothing(tmp_path:
         f"error: checkpoint {tmp_path / 'nosuch.ckpt'} does not exist: pass the path of an existing checkpoint"
     )  # export takes the checkpoint as its first argument: no --ckpt_path to name
     assert list(tmp_path.iterdir()) == []
+
+
+KILLED_EXPORT = """
+import resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # Python ignores it; the kernel's default kills, as kill -9 does
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]), resource.RLIM_INFINITY))
+from torch_handle.export import main
+main(sys.argv[2:])
+"""
+
+
+@pytest.mark.slow
+def test_the_export_after_a_killed_one_leaves_no_temporary_file(tmp_path: Path) -> None:
+    """An export killed mid-write (by the kernel, at half the file's size: no handler, no ``finally`` runs) leaves
+    its temporary files behind, hidden; the next export into that folder removes them."""
+    checkpoint = _python_checkpoint(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    half = checkpoint.stat().st_size // 2
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_EXPORT, str(half), str(checkpoint), str(out / "model.safetensors")],
+        cwd=ROOT,
+        env=env(PYTHONDONTWRITEBYTECODE="1"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert killed.returncode == -signal.SIGXFSZ, killed.stderr[-3000:]
+    left = [p.name for p in out.iterdir()]
+    assert left and all(name.startswith(".") for name in left)  # the killed write's, hidden: nothing looks exported
+    run = _export_in_a_fresh_process(checkpoint, out / "model.safetensors")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert [p.name for p in out.iterdir()] == ["model.safetensors"]
+    load_exported(out / "model.safetensors")

@@ -16,11 +16,11 @@ import pytest
 import safetensors.torch
 import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
-from torch_handle.callbacks.checkpointing import Checkpoint
 from typing_extensions import override
 
 from tests.helpers import ROOT, STRATEGY_CONFIGS, cli, env, fit_args, torchrun_results
-from torch_handle.atomic import atomic_path, atomic_write_text, lock_run_folder
+from torch_handle.atomic import atomic_path, atomic_write_text, lock_run_folder, remove_leftovers
+from torch_handle.callbacks.checkpointing import Checkpoint
 from torch_handle.checkpoints import CheckpointError
 from torch_handle.data.io import read_parallel
 from torch_handle.export import read_checkpoint
@@ -163,6 +163,20 @@ def test_written_files_follow_the_umask(tmp_path: Path) -> None:
         os.umask(umask)
     assert (tmp_path / "tokenizer.json").stat().st_mode & 0o777 == 0o644
     assert (tmp_path / "model.safetensors").stat().st_mode & 0o777 == 0o644
+
+
+def test_removing_leftovers_spares_a_write_in_progress_and_nothing_else(tmp_path: Path) -> None:
+    (tmp_path / ".model.safetensors.0123abcd.tmp").mkdir()  # a killed write's folder: no one holds its lock
+    (tmp_path / ".model.safetensors.0123abcd.tmp" / ".tmpAbC123").write_bytes(b"partial")
+    (tmp_path / ".last.ckpt.89abcdef.tmp").write_bytes(b"")  # an earlier version's killed write
+    kept = [tmp_path / ".notes.tmp", tmp_path / "model.tmp", tmp_path / ".a.ZZZZ0000.tmp"]
+    for path in kept:
+        path.write_text("a user's")
+    with atomic_path(tmp_path / "tokenizer.json") as live:
+        live.write_text("{}")
+        remove_leftovers(tmp_path)
+        assert live.read_text() == "{}"
+    assert sorted(tmp_path.iterdir()) == sorted([*kept, tmp_path / "tokenizer.json"])
 
 
 def test_blank_lines_of_parallel_files_are_skipped_and_counted(

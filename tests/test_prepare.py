@@ -12,6 +12,7 @@ import logging
 import math
 import subprocess
 import sys
+import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 
@@ -81,6 +82,26 @@ def test_prepare_multi30k_then_fit_from_its_folder(
     assert fit.returncode == 0, fit.stderr[-3000:]
     losses = train_losses(run)
     assert list(losses) == [0, 1] and all(math.isfinite(loss) for loss in losses.values())
+
+
+def test_a_gzip_bomb_is_refused_before_it_fills_memory(tmp_path: Path) -> None:
+    served = tmp_path / "served" / "data/task1/raw"
+    served.mkdir(parents=True)
+    (served / "val.en.gz").write_bytes(gzip.compress(bytes(64 * 2**20)))  # 64 MiB of zeros, 64 KB gzipped
+    tracemalloc.start()
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            _prepare(tmp_path, str(tmp_path / "served"), "--splits", "val")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert _error(exit_info) == (
+        f"error: {tmp_path}/data/multi30k/val.en: the file from {(served / 'val.en.gz').as_uri()} decompresses to "
+        f"more than {corpora.MULTI30K_MAX_BYTES} bytes, past any official file; it is corrupt or not the official "
+        "file: run the command again, or give --mirror a copy of the official files"
+    )
+    assert peak < 4 * corpora.MULTI30K_MAX_BYTES  # a bounded buffer, never the whole 64 MiB
+    assert not (tmp_path / "data" / "multi30k" / "val.en").exists()
 
 
 def test_a_corrupt_or_wrong_file_is_refused_and_nothing_is_written(corpus_server: CorpusServer, tmp_path: Path) -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from unittest.mock import Mock, PropertyMock
 
@@ -185,11 +187,23 @@ def batches_run(root: Path) -> int:
     return sum(len(path.read_text().splitlines()) for path in root.glob("losses.rank*.txt"))
 
 
+DEVICES = [1, pytest.param(2, marks=pytest.mark.distributed)]
+_demo_references: dict[int, Path] = {}
+
+
+def demo_reference(devices: int, base: Path) -> Path:
+    """The uninterrupted run of :func:`demo_args` on ``devices`` processes, trained once per test session."""
+    if devices not in _demo_references:
+        root = base / f"demo-reference-{devices}"
+        check(cli(demo_args(devices, root)))
+        _demo_references[devices] = root
+    return _demo_references[devices]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("devices", [1, 2])
-def test_sigkill_and_sigterm_mid_epoch_resume_bit_identically_with_dropout(devices: int, tmp_path: Path) -> None:
-    reference = tmp_path / "reference"
-    check(cli(demo_args(devices, reference)))
+@pytest.mark.parametrize("devices", DEVICES)
+def test_sigkill_mid_epoch_resumes_bit_identically_with_dropout(devices: int, base: Path, tmp_path: Path) -> None:
+    reference = demo_reference(devices, base)
     want, total = weights(reference), batches_run(reference)
     assert total > 4 * SAVE_EVERY * devices  # two epochs, so the kill lands mid-epoch 0
 
@@ -204,18 +218,84 @@ def test_sigkill_and_sigterm_mid_epoch_resume_bit_identically_with_dropout(devic
         assert torch.equal(weights(killed)[name], tensor), name
     assert logging_step(killed) == logging_step(reference)
 
-    # SIGTERM at step 8: every process saves at the end of that step, then the job exits 143 with one line.
-    preempted = tmp_path / "preempted"
-    run = interrupted(demo_args(devices, preempted), TORCH_HANDLE_TEST_SIGTERM_AT_STEP="8")
-    assert run.returncode == 143, run.stderr[-3000:]
-    lines = [line for line in run.stderr.splitlines() if line.startswith("stopped by SIGTERM")]
-    assert lines == [f"stopped by SIGTERM at step 8: saved {preempted}/checkpoints/last.ckpt; rerun the same "
+
+@pytest.mark.slow
+@pytest.mark.parametrize("devices", DEVICES)
+@pytest.mark.parametrize(("stop", "status"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
+def test_sigterm_and_ctrl_c_mid_epoch_save_then_resume_bit_identically_with_dropout(
+    stop: signal.Signals, status: int, devices: int, base: Path, tmp_path: Path
+) -> None:
+    """SIGTERM (preemption: to rank 0 alone) or SIGINT (Ctrl-C: to the whole process group) at step 8: every process
+    saves at the end of that step, then the job exits with the signal's shell status and one line."""
+    reference = demo_reference(devices, base)
+    want, total = weights(reference), batches_run(reference)
+    stopped = tmp_path / "stopped"
+    run = interrupted(demo_args(devices, stopped), **{f"TORCH_HANDLE_TEST_{stop.name}_AT_STEP": "8"})
+    assert run.returncode == status, run.stderr[-3000:]
+    lines = [line for line in run.stderr.splitlines() if line.startswith("stopped by")]
+    assert lines == [f"stopped by {stop.name} at step 8: saved {stopped}/checkpoints/last.ckpt; rerun the same "
                      "command with --ckpt_path last to continue"]  # fmt: skip
-    check(cli([*demo_args(devices, preempted), "--ckpt_path", "last"]))
-    assert batches_run(preempted) == total  # steps 1-8 once, then 9 on: nothing repeated, nothing skipped
+    assert torch.load(stopped / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 8
+    check(cli([*demo_args(devices, stopped), "--ckpt_path", "last"]))
+    assert batches_run(stopped) == total  # steps 1-8 once, then 9 on: nothing repeated, nothing skipped
     for name, tensor in want.items():
-        assert torch.equal(weights(preempted)[name], tensor), name
-    assert logging_step(preempted) == logging_step(reference)
+        assert torch.equal(weights(stopped)[name], tensor), name
+    assert logging_step(stopped) == logging_step(reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("devices", DEVICES)
+def test_a_second_ctrl_c_stops_every_process_at_once(devices: int, tmp_path: Path) -> None:
+    """The first Ctrl-C waits for the end of the step (a minute here); the second ends the job without waiting."""
+    slow = '{"class_path": "tests.helpers.SlowDown", "init_args": {"after_step": 1, "seconds": 60}}'
+    log_path = tmp_path / "run.log"
+    with log_path.open("w") as log:
+        run = subprocess.Popen(
+            [sys.executable, "cli.py", *demo_args(devices, tmp_path), f"--trainer.callbacks+={slow}"],
+            cwd=ROOT,
+            env=env(),
+            start_new_session=True,
+            stdout=log,
+            stderr=log,
+        )
+    try:
+        wait_for(tmp_path / "losses.rank0.txt", run, timeout=RUN_TIMEOUT)  # in step 1's sleep, every process
+        os.killpg(run.pid, signal.SIGINT)
+        wait_for_line(
+            log_path, "Ctrl-C: saving at the end of this step, then stopping; Ctrl-C again stops at once", run
+        )
+        time.sleep(1)
+        assert run.poll() is None, log_path.read_text()[-3000:]  # waiting for the end of the step
+        os.killpg(run.pid, signal.SIGINT)
+        assert run.wait(timeout=10) == -signal.SIGINT
+        deadline = time.monotonic() + 10
+        while group_members(run.pid):  # the other process too
+            assert time.monotonic() < deadline, f"still running: {group_members(run.pid)}"
+            time.sleep(0.1)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(run.pid, signal.SIGKILL)
+    assert not (tmp_path / "checkpoints" / "last.ckpt").exists()
+
+
+def wait_for_line(path: Path, line: str, process: subprocess.Popen, timeout: float = 30) -> None:
+    """Polls until the file ``path`` holds ``line``; fails if ``process`` ends first or time runs out."""
+    deadline = time.monotonic() + timeout
+    while line not in path.read_text().splitlines():
+        assert process.poll() is None, f"run ended (exit {process.returncode})\n{path.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, path.read_text()[-3000:]
+        time.sleep(0.1)
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group ``pgid``."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+            if fields[0] != "Z" and int(fields[2]) == pgid:
+                members.append(int(stat.parent.name))
+    return members
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from torch_handle.atomic import atomic_path
 from torch_handle.checkpoints import CONFIG_FILE, TOKENIZER_FILE, CheckpointError, check_checkpoint
+from torch_handle.commands import typed_command
 
 log = logging.getLogger(__name__)
 OPTIMIZER_FIELDS = ("optimizer_states", "lr_schedulers")  # state of the inputs' optimizer, not of their mean
@@ -128,7 +129,7 @@ def write_average(paths: Sequence[str | Path], output: str | Path) -> Path:
 
 
 def main(args: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=typed_command("average"), description=__doc__.splitlines()[0])
     parser.add_argument("checkpoints", nargs="+", help=".ckpt files to average, or with --last one run folder")
     parser.add_argument("--out", required=True, help="the averaged checkpoint to write (a .ckpt file)")
     parser.add_argument("--last", type=int, help="average the N checkpoints at the highest steps of the run folder")

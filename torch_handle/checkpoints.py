@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 from torch.nn import Module
 
+from torch_handle.commands import typed_command
 from torch_handle.errors import CheckpointError
 from torch_handle.unpickling import (
     ARCHIVE_MAGIC,
@@ -58,7 +59,11 @@ def check_checkpoint(path: str | Path) -> Path:
         raise CheckpointError(f"{path} is not a checkpoint (not a torch.save archive): pass a .ckpt file")
     if path.is_file():
         pickled = data_pickle(path)
-        if pickled is None or "state_dict" not in pickled_strings(pickled):
+        if pickled is None:
+            raise CheckpointError(
+                f"{path} is not a Lightning checkpoint (a truncated or damaged archive): pass another .ckpt"
+            )
+        if "state_dict" not in pickled_strings(pickled):
             raise CheckpointError(
                 f"{path} is a torch.save archive but not a Lightning checkpoint (no 'state_dict'): pass a .ckpt file"
             )
@@ -86,7 +91,7 @@ def last_checkpoint(folder: str | Path) -> Path:
     candidates = sorted(folder.glob("last*.ckpt"), key=lambda p: p.stat().st_mtime)
     if not candidates:
         raise CheckpointError(
-            f"no last checkpoint in {folder}: train first (python cli.py fit --config ...) or pass --ckpt_path"
+            f"no last checkpoint in {folder}: train first ({typed_command('fit')} --config ...) or pass --ckpt_path"
         )
     return check_checkpoint(candidates[-1])
 

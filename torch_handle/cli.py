@@ -30,7 +30,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from torch_handle import __version__
-from torch_handle.atomic import lock_run_folder
+from torch_handle.atomic import check_run_folder_free, lock_run_folder
 from torch_handle.callbacks.checkpointing import Checkpoint
 from torch_handle.callbacks.prediction_writer import STDOUT, PredictionWriter
 from torch_handle.callbacks.throughput import Throughput
@@ -41,6 +41,7 @@ from torch_handle.checkpoints import (
     folder_kind,
     resolve_ckpt_path,
 )
+from torch_handle.commands import TOOLS, typed_command
 from torch_handle.data.base import Seq2SeqDataModule
 from torch_handle.errors import DataError, SetupError
 from torch_handle.export import configure_from_exported, exported_weights, is_exported, merged_checkpoint
@@ -83,6 +84,8 @@ class TorchHandleCLI(LightningCLI):
 
     merged_from: str | None = None
     """The checkpoint folder that evaluation merged into one file (:meth:`_merge_folder`)."""
+    checkpoint_tokenizer: str | None = None
+    """The tokenizer JSON that ``--ckpt_path`` holds (the data module's state), if any."""
 
     def add_arguments_to_parser(self, parser) -> None:  # noqa: ANN001 - LightningArgumentParser
         parser.add_lightning_class_args(Checkpoint, "checkpoint")
@@ -134,12 +137,17 @@ class TorchHandleCLI(LightningCLI):
         self, parser: LightningArgumentParser, subcommand: str, ckpt: Path, args: list[str]
     ) -> None:
         try:
-            hparams = checkpoint_fields(ckpt).get("hyper_parameters", {})
+            fields = checkpoint_fields(ckpt)
         except Exception as err:  # noqa: BLE001 - a damaged or unsafe file: any reason is the same answer
             raise CheckpointError(
                 f"{ckpt} cannot be loaded safely ({type(err).__name__}: damaged, or holds more than tensors and "
-                "plain values): pass a checkpoint that cli.py fit wrote"
+                f"plain values): pass a checkpoint that {typed_command('fit')} wrote"
             ) from err
+        self.checkpoint_tokenizer = next(
+            (v["tokenizer"] for v in fields.values() if isinstance(v, dict) and isinstance(v.get("tokenizer"), str)),
+            None,
+        )
+        hparams = fields.get("hyper_parameters", {})
         hparams.pop("_instantiator", None)
         if not hparams:
             return
@@ -169,7 +177,8 @@ class TorchHandleCLI(LightningCLI):
         last = Path(checkpoint_dir(config.trainer.default_root_dir)) / "last.ckpt"
         if self.subcommand == "fit" and config.get("ckpt_path") is None and os.path.lexists(last):
             # Lightning would save this run as last-v1.ckpt, and test, predict and --ckpt_path last would go on
-            # reading the earlier run's last.ckpt.
+            # reading the earlier run's last.ckpt. A run still writing there is named, as a resume is.
+            check_run_folder_free(config.trainer.default_root_dir)
             raise SetupError(
                 f"{last} is an earlier run's: continue it with --ckpt_path last, or start a new run in another "
                 "--trainer.default_root_dir"
@@ -188,11 +197,24 @@ class TorchHandleCLI(LightningCLI):
         self._use_checkpoint_tokenizer(config)
 
     def _use_checkpoint_tokenizer(self, config: Namespace) -> None:
+        """The run's ``tokenizer.json`` beside the checkpoint; if it is gone, the copy the checkpoint holds."""
         if config.get("ckpt_path") in (None, *RESUME_KEYWORDS) or is_exported(config.ckpt_path):
             return
+        if config.data.init_args.tokenizer_path is not None:
+            return
         tokenizer = Path(config.ckpt_path).parent / TOKENIZER_FILE  # checked in parse_arguments
-        if config.data.init_args.tokenizer_path is None and tokenizer.is_file():
+        if tokenizer.is_file():
             config.data.init_args.tokenizer_path = str(tokenizer)
+        elif self.checkpoint_tokenizer is not None:
+            saved = temporary_folder() / TOKENIZER_FILE
+            saved.write_text(self.checkpoint_tokenizer, encoding="utf-8")
+            config.data.init_args.tokenizer_path = str(saved)
+            rank_zero_warn(f"{tokenizer} is missing: using the tokenizer saved in {config.ckpt_path}")
+        elif getattr(self, "checkpoint_vocab_size", None) is not None:
+            raise CheckpointError(
+                f"{tokenizer} is missing and {config.ckpt_path} holds no tokenizer: pass the run's tokenizer.json "
+                "with --data.tokenizer_path"
+            )
 
     @override
     def after_instantiate_classes(self) -> None:
@@ -280,13 +302,19 @@ class TorchHandleCLI(LightningCLI):
         folder = self._unreadable_folder()
         if folder is None:
             return
-        merged = Path(tempfile.mkdtemp(prefix="torch-handle-")) / "merged.ckpt"
-        atexit.register(shutil.rmtree, merged.parent, True)
+        merged = temporary_folder() / "merged.ckpt"
         torch.save(merged_checkpoint(folder, self.model), merged)
         self.config_init[self.subcommand]["ckpt_path"] = str(merged)
         self.merged_from = str(folder)
         strategy = type(self.trainer.strategy).__name__
         rank_zero_info(f"{folder}: {strategy} reads the full weights merged from its shards")
+
+
+def temporary_folder() -> Path:
+    """A new folder under ``$TMPDIR``, removed when the process exits."""
+    folder = Path(tempfile.mkdtemp(prefix="torch-handle-"))
+    atexit.register(shutil.rmtree, folder, True)
+    return folder
 
 
 def user_error(err: BaseException | None) -> BaseException | None:
@@ -324,18 +352,11 @@ def with_config_paths(args: list[str]) -> list[str]:
     return resolved
 
 
-COMMANDS = {  # plain argparse tools
-    "prepare": "torch_handle.data.prepare",
-    "export": "torch_handle.export",
-    "average": "torch_handle.average",
-    "serve": "torch_handle.serve",
-}
 DESCRIPTION = (
     "Train, evaluate and use a handwritten Transformer. Subcommands: fit, validate, test, predict (below), and "
-    "prepare (download a corpus: torch-handle prepare --help), export (a checkpoint to one safetensors file or a "
-    "CTranslate2 model folder: torch-handle export --help), average (checkpoints' weights into one checkpoint: "
-    "torch-handle average --help), serve (a model behind HTTP: torch-handle serve --help). "
-    "--config takes a path or a shipped config's name: "
+    "prepare (download a corpus: {prepare} --help), export (a checkpoint to one safetensors file or a CTranslate2 "
+    "model folder: {export} --help), average (checkpoints' weights into one checkpoint: {average} --help), serve (a "
+    "model behind HTTP: {serve} --help). --config takes a path or a shipped config's name: {names}."
 )
 
 
@@ -344,9 +365,8 @@ def main(args: list[str] | None = None) -> None:
     if argv[:1] in (["--version"], ["-V"]):
         print(f"torch-handle {__version__}")
         return
-    if argv[:1] and argv[0] in COMMANDS:
-        sys.argv[0] = f"{os.path.basename(sys.argv[0])} {argv[0]}"  # argparse's prog: ``torch-handle export``
-        importlib.import_module(COMMANDS[argv[0]]).main(argv[1:])
+    if argv[:1] and argv[0] in TOOLS:
+        importlib.import_module(TOOLS[argv[0]]).main(argv[1:])
         return
     try:
         if args is None:  # LightningCLI reads sys.argv itself (and warns when given both)
@@ -358,7 +378,11 @@ def main(args: list[str] | None = None) -> None:
             subclass_mode_data=True,
             save_config_kwargs={"overwrite": True},
             parser_class=OneLineErrorParser,
-            parser_kwargs={"description": DESCRIPTION + names + ".", "allow_abbrev": False},
+            parser_kwargs={
+                "prog": typed_command(),
+                "description": DESCRIPTION.format(names=names, **{tool: typed_command(tool) for tool in TOOLS}),
+                "allow_abbrev": False,
+            },
             args=with_config_paths(argv) if args is not None else None,
         )
     except Exception as err:

@@ -40,6 +40,7 @@ from torch_handle.checkpoints import (
     is_deepspeed_checkpoint,
     with_tied_weights,
 )
+from torch_handle.commands import typed_command
 from torch_handle.ctranslate2 import ExportError, check_free, unsupported, vocabulary, write_model
 from torch_handle.data.tokenizer import Tokenizer
 from torch_handle.model import ConfigError, Transformer, TransformerConfig
@@ -238,14 +239,14 @@ def exported_metadata(path: str | Path) -> tuple[TransformerConfig, Tokenizer]:
     """
     path = Path(path)
     if not path.is_file():
-        raise CheckpointError(f"exported model {path} does not exist: run python -m torch_handle.export first")
+        raise CheckpointError(f"exported model {path} does not exist: run {typed_command('export')} first")
     try:
         with safe_open(path, framework="pt") as f:
             metadata = f.metadata() or {}
             shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
     except Exception as err:  # safetensors raises its own error types for a non-safetensors or truncated file
         raise CheckpointError(f"{path} is not a safetensors file ({_one_line(err)}): export the model again") from err
-    redo = "export it again with python -m torch_handle.export"
+    redo = f"export it again with {typed_command('export')}"
     if metadata.get("format") != FORMAT:
         raise CheckpointError(f"{path} was not written by torch_handle.export (no {FORMAT} metadata): {redo}")
     config = _exported_config(path, metadata.get("transformer"), redo)
@@ -310,7 +311,7 @@ def exported_decoding(path: str | Path, config: TransformerConfig) -> Decoding:
     """
     with safe_open(path, framework="pt") as f:
         text = (f.metadata() or {}).get("decoding")
-    redo = "export it again with python -m torch_handle.export"
+    redo = f"export it again with {typed_command('export')}"
     try:
         values = {} if text is None else json.loads(text)
     except json.JSONDecodeError as err:
@@ -410,7 +411,7 @@ def export_ctranslate2(checkpoint: str | Path, out_dir: str | Path) -> Path:
 
 
 def main(args: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=typed_command("export"), description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="a .ckpt file, a DeepSpeed checkpoint folder or an FSDP sharded folder")
     parser.add_argument("output", help="the safetensors file to write, or the CTranslate2 model folder to create")
     parser.add_argument(

@@ -14,6 +14,7 @@ import logging
 from lightning_utilities.core.imports import RequirementCache
 
 from torch_handle.checkpoints import CheckpointError
+from torch_handle.commands import typed_command
 from torch_handle.errors import SetupError
 
 LITSERVE_AVAILABLE = RequirementCache("litserve")
@@ -47,7 +48,7 @@ def serve(
 
 
 def main(args: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=typed_command("serve"), description=__doc__.splitlines()[0])
     parser.add_argument("model", help="a .safetensors export, a .ckpt file, a checkpoint folder or a run folder")
     parser.add_argument("--host", default="127.0.0.1", help="the interface to listen on (0.0.0.0: every one)")
     parser.add_argument("--port", type=int, default=8000)

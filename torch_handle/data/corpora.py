@@ -14,13 +14,15 @@ query or question, as SCROLLS poses QMSum and the SQuALITY paper scores SQuALITY
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+
+from torch_handle.commands import typed_command
 
 
 @dataclass(frozen=True)
@@ -154,6 +156,34 @@ def _as_is(data: bytes) -> bytes:
     return data
 
 
+MULTI30K_MAX_BYTES = 4 * 2**20
+"""The most a Multi30k file may decompress to: twice its largest official file (``train.de``)."""
+
+
+class TooLarge(ValueError):
+    """A download that decompresses past the size its corpus allows (a gzip bomb, or not the official file)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"decompresses to more than {limit} bytes")
+        self.limit = limit
+
+
+def gunzip(data: bytes, limit: int = MULTI30K_MAX_BYTES) -> bytes:
+    """``gzip.decompress`` that stops once the output passes ``limit`` bytes, so a gzip bomb never fills memory.
+
+    Raises:
+        TooLarge: The data decompresses to more than ``limit`` bytes.
+        EOFError: The data ends before its gzip stream does.
+    """
+    inflater = zlib.decompressobj(wbits=zlib.MAX_WBITS | 16)  # | 16: a gzip header and trailer
+    out = inflater.decompress(data, limit + 1)
+    if len(out) > limit:
+        raise TooLarge(limit)
+    if not inflater.eof:
+        raise EOFError("compressed data ended before the end-of-stream marker was reached")
+    return out
+
+
 _MULTI30K_SHA256 = {
     "train.en": "460a15fbd157e34a7a9957ee388c1ca247fe47af3ef25fb50442af6c274e0fc6",
     "train.de": "2c2b73fd2b548fbcde3a875e0a78d6ee94d498bfdee6bd3eae3945779e9ddf72",
@@ -174,7 +204,7 @@ MULTI30K = Corpus(
     "multi30k/dataset",
     "a3d2e0d26b56f3846f66a952536ffed4e401d05a",
     tuple(
-        CorpusFile(name, f"data/task1/raw/{name}.gz", sha256, gzip.decompress, name.rsplit(".", 1)[0])
+        CorpusFile(name, f"data/task1/raw/{name}.gz", sha256, gunzip, name.rsplit(".", 1)[0])
         for name, sha256 in _MULTI30K_SHA256.items()
     ),
 )
@@ -273,8 +303,6 @@ def missing(path: str | Path, option: str | None = None) -> str | None:
         corpus = CORPORA.get(folder.name)
         if corpus is not None and (folder == path or path.name in {f.name for f in corpus.files}):
             alternative = f" (or pass {option} PATH)" if option else ""
-            return (
-                f"{path} does not exist: download it with torch-handle prepare {corpus.name} --out {folder.parent}"
-                f"{alternative}"
-            )
+            prepare = typed_command("prepare")
+            return f"{path} does not exist: download it with {prepare} {corpus.name} --out {folder.parent}{alternative}"
     return None

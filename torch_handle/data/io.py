@@ -29,13 +29,23 @@ def read_text(path: str | Path) -> str:
         path: A UTF-8 file (a leading byte-order mark is dropped).
 
     Raises:
-        DataError: The file is missing (naming the ``prepare`` command when it is a corpus file), empty, or not
-            UTF-8 (naming the first bad line).
+        DataError: The file is missing (naming the ``prepare`` command when it is a corpus file), a folder or
+            no regular file (a device such as ``/dev/zero`` would be read forever), empty, or not UTF-8 (naming
+            the first bad line). NUL bytes, which a text file never holds, are read with a warning.
     """
     path = Path(path)
+    if path.is_dir():
+        raise DataError(f"{path} is a folder, not a file; pass the path of a file in it")
+    if path.exists() and not path.is_file():
+        raise DataError(f"{path} is not a regular file (a device, a pipe or a socket); pass the path of a file")
     if not path.is_file():
         raise DataError(missing(path) or f"{path}: file not found; check the path")
     data = path.read_bytes()
+    if b"\0" in data:
+        line = data.count(b"\n", 0, data.index(b"\0")) + 1
+        rank_zero_warn(
+            f"{path}:{line}: {data.count(0)} NUL byte(s), which text never holds: is this the file you meant?"
+        )
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as err:

@@ -19,10 +19,12 @@ import http.client
 import logging
 import urllib.error
 import urllib.request
+import zlib
 from pathlib import Path
 
 from torch_handle.atomic import atomic_path
-from torch_handle.data.corpora import CORPORA, Corpus, CorpusFile, digest
+from torch_handle.commands import typed_command
+from torch_handle.data.corpora import CORPORA, Corpus, CorpusFile, TooLarge, digest
 from torch_handle.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -89,7 +91,7 @@ def _download(url: str, corpus: Corpus, todo: list[CorpusFile], out: str | Path)
     raise DataError(
         f"cannot download {url} ({reason}); offline? copy {', '.join(f.source for f in todo)} from "
         f"https://github.com/{corpus.repository} (commit {corpus.commit[:7]}; a git clone has them) into a folder, "
-        f"keeping those paths, and run torch-handle prepare {corpus.name} --mirror FOLDER --out {out}"
+        f"keeping those paths, and run {typed_command('prepare')} {corpus.name} --mirror FOLDER --out {out}"
     )
 
 
@@ -98,7 +100,12 @@ def _convert(file: CorpusFile, data: bytes, url: str, folder: Path) -> bytes:
     try:
         content = file.convert(data)
         actual = digest(content, file.ordered)
-    except (OSError, EOFError, ValueError, KeyError, IndexError, TypeError) as err:  # bad gzip, JSON, fields
+    except TooLarge as err:
+        raise DataError(
+            f"{folder / file.name}: the file from {url} {err}, past any official file; it is corrupt or not the "
+            "official file: run the command again, or give --mirror a copy of the official files"
+        ) from None
+    except (OSError, EOFError, zlib.error, ValueError, KeyError, IndexError, TypeError) as err:  # gzip, JSON, fields
         actual = f"unreadable: {type(err).__name__}"
     if actual != file.sha256:
         raise DataError(
@@ -110,7 +117,9 @@ def _convert(file: CorpusFile, data: bytes, url: str, folder: Path) -> bytes:
 
 def main(argv: list[str] | None = None) -> None:
     """``torch-handle prepare CORPUS [--out DIR] [--mirror URL] [--splits ...]``."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=typed_command("prepare"), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("corpus", choices=sorted(CORPORA), help="the corpus to fetch")
     parser.add_argument(
         "--out", default="data", help="folder to write CORPUS/ in (default: data, where the shipped configs look)"

@@ -1,5 +1,6 @@
 """Byte-level BPE tokenizer with the special tokens at fixed ids."""
 
+import json
 import logging
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -86,6 +87,7 @@ class Tokenizer:
         Args:
             json_str: The tokenizer's JSON serialization.
         """
+        _check_ids(json_str)
         try:
             backend = _HFTokenizer.from_str(json_str)
         except Exception as err:  # the Rust binding raises a bare Exception
@@ -133,6 +135,26 @@ class Tokenizer:
             batch: Rows of token ids (a list of lists or a 2-D tensor).
         """
         return self._backend.decode_batch([_until_eos(ids) for ids in batch], skip_special_tokens=True)
+
+
+def _check_ids(json_str: str) -> None:
+    """Refuses token ids past the number of tokens: the Rust library sizes a table by the largest id, and one id
+    of 1.5e9 would abort the process allocating it."""
+    try:
+        data = json.loads(json_str)
+    except json.JSONDecodeError as err:
+        raise DataError(f"not a tokenizer JSON ({err.msg} at line {err.lineno} column {err.colno})") from None
+    if not isinstance(data, dict):
+        raise DataError(f"not a tokenizer JSON (a {type(data).__name__}, not an object)")
+    model = data.get("model")
+    vocab = model.get("vocab") if isinstance(model, dict) else None
+    added = data.get("added_tokens")
+    ids = dict(vocab) if isinstance(vocab, dict) else {}
+    if isinstance(added, list):
+        ids.update((token.get("content"), token.get("id")) for token in added if isinstance(token, dict))
+    for token, id_ in ids.items():
+        if not isinstance(id_, int) or isinstance(id_, bool) or not 0 <= id_ < len(ids):
+            raise DataError(f"not a tokenizer JSON (token {token!r} has id {id_!r}, outside 0-{len(ids) - 1})")
 
 
 def _until_eos(ids: Sequence[int]) -> list[int]:

@@ -1,0 +1,43 @@
+"""The command a user typed to run torch-handle, so that messages and ``--help`` name what they can run again."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent
+TOOLS = {
+    "prepare": "torch_handle.data.prepare",
+    "export": "torch_handle.export",
+    "average": "torch_handle.average",
+    "serve": "torch_handle.serve",
+}
+"""The subcommands that are plain argparse tools, and their modules (each also runs as ``python -m MODULE``)."""
+
+
+def typed_command(subcommand: str = "") -> str:
+    """``torch-handle SUBCOMMAND`` as this process was started: ``torch-handle`` when installed, ``python cli.py``
+    in a checkout, ``python -m torch_handle.cli`` (or the tool's own module, ``python -m torch_handle.export``);
+    ``torch-handle`` from Python (the API, a notebook)."""
+    argv0 = sys.argv[0] if sys.argv else ""
+    module = _package_module(argv0)
+    if module is not None and module == TOOLS.get(subcommand):
+        return f"python -m {module}"
+    if module is not None:
+        base = "python -m torch_handle.cli"
+    elif os.path.basename(argv0) == "cli.py":
+        base = f"python {argv0}"
+    else:
+        base = "torch-handle"
+    return f"{base} {subcommand}".rstrip()
+
+
+def _package_module(argv0: str) -> str | None:
+    """The module of this package that ``python -m`` ran as ``argv0``, if any."""
+    if not argv0.endswith(".py"):
+        return None
+    path = Path(argv0).resolve()
+    if not path.is_relative_to(PACKAGE):
+        return None
+    return ".".join(("torch_handle", *path.relative_to(PACKAGE).with_suffix("").parts))
