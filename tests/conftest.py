@@ -11,9 +11,13 @@ from dataclasses import dataclass, field
 from functools import partial
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
+
+if TYPE_CHECKING:
+    from torch_handle.model import TransformerConfig
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 """Stack with ``@pytest.mark.gpu`` on GPU-only tests, as Lightning's ``RunIf(min_cuda_gpus=1)``."""
@@ -34,6 +38,50 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
+USER_FOLDERS = ("runs", "data")
+"""What a user's own commands leave in the checkout (``torch-handle fit --config demo``, ``torch-handle prepare``):
+tests read and write only their temporary folders."""
+_USER_FILES = pytest.StashKey[dict[str, tuple[int, int]]]()
+
+
+def _user_files() -> dict[str, tuple[int, int]]:
+    """Size and modification time of every file and folder under :data:`USER_FOLDERS`."""
+    root = Path(__file__).resolve().parents[1]
+    found = {}
+    for folder in USER_FOLDERS:
+        for path in (root / folder).rglob("*"):
+            stat = path.lstat()
+            found[str(path.relative_to(root))] = (stat.st_size, stat.st_mtime_ns)
+    return found
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if not hasattr(session.config, "workerinput"):  # the controller, or a run without xdist
+        session.config.stash[_USER_FILES] = _user_files()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Fails the run if a test wrote into, or removed from, the checkout's ``runs/`` or ``data/``."""
+    before = session.config.stash.get(_USER_FILES, None)
+    if before is None:
+        return
+    after = _user_files()
+    changed = sorted(path for path in before.keys() | after.keys() if before.get(path) != after.get(path))
+    if changed:
+        writer = session.config.get_terminal_writer()
+        writer.line()
+        writer.line(f"tests changed the user's files in the checkout: {', '.join(changed[:10])}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Tells :func:`tests.helpers.env` the marks of the test whose fixtures and body run next."""
+    from tests import helpers  # not at the top: Lightning imported before pytest captures logs would log around it
+
+    helpers.running_marks = {mark.name for mark in item.iter_markers()}
 
 
 @pytest.fixture(autouse=True)
@@ -192,6 +240,16 @@ def _jsonl(rows: list[dict]) -> bytes:
 def _put(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(data)
+
+
+def tiny_config(**overrides: Any) -> TransformerConfig:
+    """The tiny model the tests build in Python (the sizes of :data:`TINY_MODEL_ARGS`), with ``overrides``."""
+    from torch_handle.model import TransformerConfig
+
+    sizes: dict[str, Any] = dict(
+        d_model=32, num_heads=2, num_encoder_layers=1, num_decoder_layers=1, d_ff=64, dropout=0.0
+    )  # fmt: skip
+    return TransformerConfig(**(sizes | overrides))
 
 
 TINY_MODEL_ARGS = [

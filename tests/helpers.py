@@ -61,9 +61,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+PROCESS_MARKS = {"slow", "distributed"}
+"""A test that starts a process carries one of these, so that the default tier (``python -m pytest``) leaves it out."""
+running_marks: set[str] | None = None
+"""The marks of the test being set up or run (``tests/conftest.py`` sets them); None outside pytest."""
+
+
 def env(**extra: str) -> dict[str, str]:
     """The environment of a run: one thread per process (two processes share two cores), a free port, and Python's
-    fault handler, so a process that crashes inside torch prints where."""
+    fault handler, so a process that crashes inside torch prints where. Every process the tests start takes it,
+    so here a test that starts one unmarked fails (see :data:`PROCESS_MARKS`)."""
+    if running_marks is not None and not running_marks & PROCESS_MARKS:
+        raise AssertionError("this test starts a process: mark it @pytest.mark.slow (and distributed for several)")
     return {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port()), "PYTHONFAULTHANDLER": "1", **extra}
 
 
@@ -77,15 +86,24 @@ def fit_args(root: Path, *extra: str) -> list[str]:
 
 
 def cli(args: list[str], timeout: float = RUN_TIMEOUT, **extra_env: str) -> subprocess.CompletedProcess:
-    """Runs ``python cli.py ARGS`` from the repository root; output is captured for the assertion message."""
-    return subprocess.run(
-        [sys.executable, "cli.py", *args],
-        cwd=ROOT,
-        env=env(**extra_env),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    """Runs ``python cli.py ARGS`` from the repository root; output is captured for the assertion message. A run
+    past ``timeout`` is killed with every process it started (the other ranks, a compiler), so none of them goes
+    on holding a lock or the cores that the next tests need."""
+    command = [sys.executable, "cli.py", *args]
+    with subprocess.Popen(
+        command, cwd=ROOT, env=env(**extra_env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    ) as process:  # fmt: skip
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired as err:
+            os.killpg(process.pid, signal.SIGKILL)
+            stdout, stderr = process.communicate()
+            raise subprocess.TimeoutExpired(command, timeout, stdout, stderr) from err
+        except BaseException:  # the test's own timeout, or ^C
+            os.killpg(process.pid, signal.SIGKILL)
+            raise
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
 def torchrun_results(worker: str, processes: int, out: Path, *args: str) -> list[dict[str, Any]]:

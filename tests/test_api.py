@@ -8,6 +8,8 @@ import inspect
 import json
 import logging
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import torch_handle
-from tests.helpers import reference_run
+from tests.helpers import RUN_TIMEOUT, check, env, reference_run
 from torch_handle.api import Model
 from torch_handle.checkpoints import CheckpointError
 from torch_handle.cli import main
@@ -98,6 +100,28 @@ def test_translate_writes_what_predict_writes_from_the_checkpoint_the_run_folder
     assert _as_written(torch_handle.load(exported).translate(SENTENCES, **options)) == predicted
 
 
+LIGHTNING_FREE = """
+import json, sys
+import torch_handle
+outputs = [torch_handle.load(path).translate(json.loads(sys.argv[1])) for path in sys.argv[2:]]
+lightning = sorted(name for name in sys.modules if name.split(".")[0] in ("lightning", "pytorch_lightning"))
+print(json.dumps({"outputs": outputs, "lightning": lightning}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(RUN_TIMEOUT)
+def test_load_and_translate_import_no_lightning(run: Path, exported: Path, tmp_path: Path) -> None:
+    """Inference from a checkpoint, a run folder or an export runs where only torch, tokenizers and safetensors
+    are (Lightning is for training)."""
+    paths = [run / "checkpoints" / "last.ckpt", run, exported]
+    command = [sys.executable, "-c", LIGHTNING_FREE, json.dumps(SENTENCES), *map(str, paths)]
+    child = check(subprocess.run(command, cwd=tmp_path, env=env(PYTHONPATH=str(ROOT)), capture_output=True, text=True))
+    result = json.loads(child.stdout.splitlines()[-1])
+    assert result["lightning"] == []
+    assert result["outputs"] == [torch_handle.load(path).translate(SENTENCES) for path in paths]
+
+
 def test_translate_returns_outputs_in_input_order_when_it_batches_by_length(exported: Path) -> None:
     model = torch_handle.load(exported)
     lengths = [len(ids) for ids in model.tokenizer.encode_batch(SENTENCES)]
@@ -137,6 +161,7 @@ def test_translate_cuts_a_text_longer_than_the_model_context_with_a_warning(
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("strategy", ["zero3", "fsdp"])
 def test_load_reads_a_run_folder_of_sharded_checkpoints(
     strategy: str, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path

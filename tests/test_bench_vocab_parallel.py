@@ -5,9 +5,13 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import ROOT, RUN_TIMEOUT, env
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_dry_run_measures_both_settings_and_they_agree_on_the_loss() -> None:
     run = subprocess.run(
         [sys.executable, "benchmarks/bench_vocab_parallel.py", "--dry-run"],

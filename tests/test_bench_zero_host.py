@@ -5,9 +5,13 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import ROOT, RUN_TIMEOUT, env
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_dry_run_measures_ddp_zero2_and_zero3_as_shipped_and_as_deepspeed_defaults() -> None:
     run = subprocess.run(
         [sys.executable, "benchmarks/bench_zero_host.py", "--dry-run"],

@@ -8,12 +8,13 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from conftest import tiny_config
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.flop_counter import FlopCounterMode
+
 from torch_handle.callbacks.activation_checkpointing import ActivationCheckpointing
 from torch_handle.callbacks.profiling import Profiling
 from torch_handle.callbacks.throughput import Throughput
-
 from torch_handle.data import TranslationDataModule
 from torch_handle.flops import forward_flops, training_flops
 from torch_handle.model import Transformer, TransformerConfig
@@ -21,9 +22,7 @@ from torch_handle.module import Seq2SeqModule
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-TINY = TransformerConfig(
-    d_model=32, num_heads=4, num_encoder_layers=2, num_decoder_layers=2, d_ff=64, dropout=0.0, max_len=64
-)
+TINY = tiny_config(num_heads=4, num_encoder_layers=2, num_decoder_layers=2, max_len=64)
 
 
 @pytest.mark.parametrize("cross_downsample", [1, 3])

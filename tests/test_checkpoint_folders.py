@@ -33,6 +33,7 @@ def _test_loss(root: Path, logs: Path, *config: str) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 def test_a_tensor_parallel_folder_is_tested_on_one_device_as_by_its_strategy(tp_folder: Path, tmp_path: Path) -> None:
     """One device (the default strategy) reads the folder's merged weights and the architecture it holds (no
     ``--model.transformer.*`` given: the demo config's own sizes differ), and scores as tp.yaml's two processes do."""
@@ -41,6 +42,8 @@ def test_a_tensor_parallel_folder_is_tested_on_one_device_as_by_its_strategy(tp_
     assert one_device == pytest.approx(own, rel=1e-5)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_a_folder_that_the_strategy_cannot_resume_is_one_line(tp_folder: Path) -> None:
     before = {p: p.stat().st_mtime_ns for p in tp_folder.rglob("*")}
     run = cli(fit_args(tp_folder, "--config", "configs/ddp.yaml", "--trainer.max_steps", "6", "--ckpt_path", "last"))

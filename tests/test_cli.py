@@ -174,6 +174,7 @@ def test_bad_predict_file_writes_no_predictions(tiny_demo_run: Path, tmp_path: P
     assert set(tiny_demo_run.glob("predictions-*.txt")) == written
 
 
+@pytest.mark.slow
 def test_process_prints_one_error_line_and_no_traceback(tmp_path: Path) -> None:
     """The real process: the message is stderr's last line, with no traceback before it."""
     run = subprocess.run(
@@ -389,6 +390,7 @@ def test_an_abbreviated_option_is_refused_not_taken_for_the_full_one(
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_constructor_error_is_one_line_in_the_real_process(tmp_path: Path) -> None:
     """The real process: an error raised inside jsonargparse's instantiation prints one line, exit 1."""
     args = _fit(tmp_path / "run", f"--data.init_args.data_dir={tmp_path / 'nope'}")
@@ -401,6 +403,7 @@ def test_constructor_error_is_one_line_in_the_real_process(tmp_path: Path) -> No
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 def test_predict_on_two_processes_writes_every_line_once_in_order(tiny_demo_run: Path, tmp_path: Path) -> None:
     """Five inputs over two ranks (one repeated to even the shards out), batched by length: the same file as one
     process, in input order."""

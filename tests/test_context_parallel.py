@@ -26,6 +26,7 @@ def two_rank_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_ranks_equal_one_process(case: str, two_rank_results: dict[str, dict]) -> None:
     """Windows narrower and wider than a slice, lengths that do not divide, padding, every position type,
@@ -54,6 +55,7 @@ FULL_ATTENTION = (
 )
 
 
+@pytest.mark.slow
 def test_full_attention_is_refused_in_one_line(documents: Path, tmp_path: Path) -> None:
     """The same line from the plan (a notebook applying it by hand) and from the CLI, before any process starts."""
     model = Transformer(
@@ -67,6 +69,7 @@ def test_full_attention_is_refused_in_one_line(documents: Path, tmp_path: Path) 
     assert run.returncode != 0 and run.stderr.strip().splitlines()[-1] == f"error: {FULL_ATTENTION}"
 
 
+@pytest.mark.slow
 def test_a_strategy_with_its_own_mesh_is_refused_in_one_line(documents: Path, tmp_path: Path) -> None:
     """ModelParallelStrategy lays out a (data_parallel, tensor_parallel) mesh; context parallelism would be ignored."""
     run = cli(
@@ -147,6 +150,7 @@ def _weights(root: Path, name: str = "last.ckpt") -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 def test_two_context_parallel_processes_train_as_one(documents: Path, tmp_path: Path) -> None:
     """Without dropout, 4 steps on 2 processes that split every source end with one process's weights."""
     no_dropout = ("--model.transformer.dropout", "0")
@@ -167,6 +171,7 @@ def test_two_context_parallel_processes_train_as_one(documents: Path, tmp_path: 
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 def test_a_context_parallel_run_resumes_exactly(cp_run: Path, documents: Path, tmp_path: Path) -> None:
     """Resumed from step 2 (dropout on: every rank's random state comes back), it ends bit for bit as the run."""
     checkpoint = cp_run / "checkpoints" / "epoch=0-step=2.ckpt"

@@ -1,12 +1,12 @@
 """Tokenizer, batching, collation, DataModules and bad-input errors of ``torch_handle.data``."""
 
-import dataclasses
 import json
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from conftest import tiny_config
 
 from torch_handle.data import (
     BOS_ID,
@@ -239,6 +239,7 @@ def test_collator_predict_batch_has_no_target() -> None:
 # --- DataModules -------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # tokenizes all of Multi30k
 @needs_multi30k
 def test_translation_datamodule_on_multi30k() -> None:
     dm = TranslationDataModule(data_dir=str(MULTI30K), test_split="test_2016_flickr", bpe_vocab_size=1000)
@@ -494,7 +495,7 @@ def test_repeated_examples_come_marked_in_their_batch() -> None:
 
 def test_length_limits_follow_the_model_context() -> None:
     """A model with a 12-position table gets batches it can read; unlimited positions change nothing."""
-    from torch_handle.model import Transformer, TransformerConfig
+    from torch_handle.model import Transformer
 
     dm = TranslationDataModule(demo_size=300, bpe_vocab_size=300, max_source_tokens=256, max_target_tokens=256)
     dm.fit_context(None)  # rope/alibi: no table to outgrow
@@ -505,8 +506,7 @@ def test_length_limits_follow_the_model_context() -> None:
     with pytest.warns(UserWarning, match=r"truncated \d+ of 300 sources to 11 tokens"):
         dm.setup("fit")
     size = dm.vocab_size
-    config = TransformerConfig(size, size, d_model=8, num_heads=2, num_encoder_layers=1, num_decoder_layers=1, d_ff=8)
-    model = Transformer(dataclasses.replace(config, max_len=12))
+    model = Transformer(tiny_config(src_vocab_size=size, tgt_vocab_size=size, d_model=8, d_ff=8, max_len=12))
     batch = max(dm.train_dataloader(), key=lambda b: b["src"].shape[1])
     assert batch["src"].shape[1] == 12
     model(batch["src"], batch["tgt"][:, :-1])  # the positions table would raise for a longer batch

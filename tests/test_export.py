@@ -14,19 +14,17 @@ from pathlib import Path
 import lightning
 import pytest
 import torch
+from conftest import tiny_config
 from safetensors.torch import save_file
 
 from tests.helpers import ROOT, env
 from torch_handle.data.tokenizer import Tokenizer
 from torch_handle.export import export, load_exported
-from torch_handle.model import TransformerConfig
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 DEMO = str(ROOT / "configs" / "demo.yaml")
-TINY = TransformerConfig(
-    d_model=16, num_heads=2, num_encoder_layers=1, num_decoder_layers=1, d_ff=32, dropout=0.0, max_len=32
-)
+TINY = tiny_config(d_model=16, d_ff=32, max_len=32)
 
 
 def _python_checkpoint(folder: Path, attention_backend: str = "auto") -> Path:

@@ -19,6 +19,7 @@ import lightning
 import pytest
 import tokenizers
 import torch
+from conftest import tiny_config
 
 import torch_handle
 from tests.helpers import ROOT, check, cli, env
@@ -199,9 +200,9 @@ def test_an_exported_safetensors_file_gives_the_same_folder(run: Path, folder: P
 
 V = 40
 TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>", *(f"w{i}" for i in range(V - 4))]
-SMALL = TransformerConfig(
-    src_vocab_size=V, tgt_vocab_size=V, d_model=32, num_heads=4, num_encoder_layers=2, num_decoder_layers=2,
-    d_ff=64, dropout=0.0, norm_first=True, max_len=32,
+SMALL = tiny_config(
+    src_vocab_size=V, tgt_vocab_size=V, num_heads=4, num_encoder_layers=2, num_decoder_layers=2, norm_first=True,
+    max_len=32,
 )  # fmt: skip
 
 
@@ -328,6 +329,7 @@ def test_the_command_line_refuses_post_ln_with_one_error_line_and_writes_nothing
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.ckpt", "tokenizer.json"]
 
 
+@pytest.mark.slow
 def test_a_folder_that_holds_files_is_refused_and_kept(tmp_path: Path) -> None:
     checkpoint = _checkpoint(tmp_path, SMALL)
     out = tmp_path / "ct2"
@@ -354,6 +356,7 @@ def test_a_failed_write_leaves_no_folder(tmp_path: Path, monkeypatch: pytest.Mon
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_without_ctranslate2_the_export_says_how_to_install_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import torch_handle.ctranslate2 as module
 

@@ -44,6 +44,7 @@ def first_checkpoint_bytes(folder: Path) -> bytes:
     return (folder / "last.ckpt").read_bytes()
 
 
+@pytest.mark.slow
 def test_a_killed_save_keeps_the_previous_checkpoint_and_leaves_no_file_behind(
     tmp_path: Path, tmpdir_elsewhere: Path
 ) -> None:
@@ -73,6 +74,7 @@ trainer.fit(BoringModel(), ckpt_path="{folder}/last.ckpt")
 """
 
 
+@pytest.mark.slow
 def test_a_full_disk_keeps_the_previous_checkpoint_with_one_line(tmp_path: Path, tmpdir_elsewhere: Path) -> None:
     if subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode != 0:
         pytest.skip("needs unshare (user and mount namespaces) to mount a small tmpfs")
@@ -104,6 +106,7 @@ CHECK = (
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("strategy", ["ddp", "zero3", "fsdp"])  # ZeRO hides gradients: there the loss decides
 def test_divergence_stops_every_process_with_one_line_and_keeps_the_last_good_checkpoint(
     strategy: str, tmp_path: Path
@@ -141,6 +144,7 @@ def checkpoint_weights(path: Path) -> dict[str, torch.Tensor]:
     return read_checkpoint(path)[0]
 
 
+@pytest.mark.slow
 def test_a_second_run_in_a_folder_in_use_stops_with_one_line_and_writes_nothing(tmp_path: Path) -> None:
     lock_run_folder(tmp_path)  # this process is the first run
     run = cli(fit_args(tmp_path, "--trainer.max_steps", "1", "--trainer.logger", "true"))
@@ -240,6 +244,8 @@ if dist.get_rank() == 0:
 """
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("crashes", [1, 2])
 def test_a_multi_process_run_that_segfaults_runs_once_more(crashes: int, tmp_path: Path) -> None:
     # torchrun_results: a rank killed by SIGSEGV inside torch (seen once on CI, gloo) runs again, with a warning; a
@@ -254,6 +260,8 @@ def test_a_multi_process_run_that_segfaults_runs_once_more(crashes: int, tmp_pat
     assert out.with_suffix(".tries").read_text() == "2"
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_a_multi_process_run_that_raises_is_not_run_again(tmp_path: Path) -> None:
     out = _crashing_worker(tmp_path)
     with warnings.catch_warnings():

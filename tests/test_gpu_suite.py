@@ -20,6 +20,7 @@ STEPS = ["gpu_tests", "strategies", "multi30k", "throughput", "strategy_throughp
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.timeout(900)
 def test_dry_run_passes_every_step_and_writes_its_tables(tmp_path: Path, shared_data: Path) -> None:
     command = [sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py"), "--dry-run", "--out", str(tmp_path)]
@@ -62,6 +63,7 @@ def test_dry_run_passes_every_step_and_writes_its_tables(tmp_path: Path, shared_
     assert bleu["rows"][0][:2] == ["test_2016_flickr", 20] and float(bleu["rows"][0][2]) >= 0
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the step must fail: it asks for a GPU that is absent")
 def test_a_failing_step_is_reported_and_fails_the_suite(tmp_path: Path) -> None:
     """A step that raises is one FAILED line with its error, and the suite exits 1 (the others still run)."""
@@ -71,6 +73,7 @@ def test_a_failing_step_is_reported_and_fails_the_suite(tmp_path: Path) -> None:
     assert "## decoding: FAILED: exit 1: " in run.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_strategy_waiting_for_its_turn_exits_when_the_suite_has_gone(tmp_path: Path) -> None:
     """strategy_throughput's children prepare, then wait on stdin for their turn; if it ends (the suite stopped at its
@@ -88,6 +91,7 @@ def test_a_strategy_waiting_for_its_turn_exits_when_the_suite_has_gone(tmp_path:
     assert "on_fit_start" not in run.stdout  # nothing reached the device
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_stopped_suite_leaves_no_step_running(tmp_path: Path) -> None:
     """``timeout`` (SIGTERM) on the suite while its steps run or wait for their turn stops every one of them: each

@@ -157,6 +157,7 @@ def _test_outputs(model: Path, test: Path, root: Path, *strategy: str) -> tuple[
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
 def test_mixed_length_summaries_on_two_processes_equal_one_process(
     strategy: str, summarizer: tuple[Path, Path], tmp_path: Path

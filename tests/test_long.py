@@ -12,17 +12,18 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import tiny_config
 from rouge_score import rouge_scorer
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch_handle.callbacks.prediction_writer import PredictionWriter
 
 import torch_handle
+from torch_handle.callbacks.prediction_writer import PredictionWriter
 from torch_handle.cli import TorchHandleCLI
 from torch_handle.data import EOS_ID, PAD_ID, Seq2SeqDataModule, SummarizationDataModule, Tokenizer
 from torch_handle.hierarchical import chunk_spans, summarize
 from torch_handle.metrics import ROUGE_KEYS, Rouge, split_sentences
-from torch_handle.model import Transformer, TransformerConfig
+from torch_handle.model import Transformer
 from torch_handle.module import Seq2SeqModule
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -170,13 +171,7 @@ def tokenizer_file(meetings: list[dict[str, Any]], tmp_path_factory: pytest.Temp
 
 
 def _tiny_module(vocab_size: int, **overrides: Any) -> Seq2SeqModule:
-    transformer = TransformerConfig(
-        d_model=32,
-        num_heads=2,
-        num_encoder_layers=1,
-        num_decoder_layers=1,
-        d_ff=64,
-        dropout=0.0,
+    transformer = tiny_config(
         norm_first=True,
         position="alibi",
         encoder_attention="local",
@@ -276,14 +271,11 @@ class _LargestTensor(TorchDispatchMode):
 
 
 def _largest_tensor_of_a_training_step(length: int, encoder_attention: str = "local") -> int:
-    config = TransformerConfig(
+    config = tiny_config(
         src_vocab_size=500,
         tgt_vocab_size=500,
-        d_model=32,
-        num_heads=2,
         num_encoder_layers=2,
-        num_decoder_layers=1,
-        d_ff=64,
+        dropout=0.1,
         position="alibi",
         encoder_attention=encoder_attention,
         window=64,

@@ -254,6 +254,7 @@ def _inputs(run: Run) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.timeout(STEP_TIMEOUT)
 @pytest.mark.parametrize(
     ("data", "strategy", "step"),

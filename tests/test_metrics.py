@@ -13,6 +13,7 @@ import lightning as L
 import pytest
 import sacrebleu
 import torch
+from conftest import tiny_config
 from rouge_score import rouge_scorer
 from torchmetrics.text import SacreBLEUScore
 
@@ -369,7 +370,7 @@ def test_test_reports_bleu_on_sacrebleus_0_100_scale_with_its_signature(
         (tmp_path / f"{split}.en").write_text("".join(f"{h}\n" for h in hypotheses))
         (tmp_path / f"{split}.de").write_text("".join(f"{r}\n" for r in references))
     data = TranslationDataModule(data_dir=str(tmp_path), bpe_vocab_size=300)
-    module = Seq2SeqModule(TransformerConfig(d_model=32, num_heads=2, d_ff=64), vocab_size=data.vocab_size)
+    module = Seq2SeqModule(tiny_config(), vocab_size=data.vocab_size)
     module.decode_batch = lambda batch, memory=None: batch["src_text"]  # the English "translations" score a known BLEU
     trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, use_distributed_sampler=False)
     with caplog.at_level(logging.INFO):

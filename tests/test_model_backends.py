@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from conftest import tiny_config
 from torch import Tensor
 
 from torch_handle.model import Transformer, TransformerConfig, alibi_slopes, sinusoidal_table
@@ -26,15 +27,12 @@ POSITIONS = ["sinusoidal", "learned", "rope", "alibi"]
 
 
 def _config(position: str, attention: str, backend: str) -> TransformerConfig:
-    return TransformerConfig(
+    return tiny_config(
         src_vocab_size=VOCAB,
         tgt_vocab_size=VOCAB,
-        d_model=32,
         num_heads=4,
         num_encoder_layers=2,
         num_decoder_layers=2,
-        d_ff=64,
-        dropout=0.0,
         position=position,
         encoder_attention=attention,
         window=3,
@@ -232,6 +230,7 @@ def _attention_growth(backend: str, s: int, window: int | None) -> int:
     return int(result.stdout.split()[-1])
 
 
+@pytest.mark.slow
 @needs_proc
 @pytest.mark.parametrize(
     ("backend", "window"),
@@ -247,6 +246,7 @@ def test_attention_never_builds_s_by_s(backend: str, window: int | None) -> None
     assert growth < s * s * 4 // 8, f"attention raised peak memory by {growth / 2**20:.0f} MiB"
 
 
+@pytest.mark.slow
 @needs_proc
 def test_memory_probe_sees_an_s_by_s_tensor() -> None:
     """The probe above would catch a dense score matrix: full naive attention shows at least S x S floats."""

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import tiny_config
 from torch import Tensor
 
 from torch_handle.model import BackendUnavailableError, CompiledDecode, ConfigError, Transformer, TransformerConfig
@@ -27,19 +28,16 @@ def _config(**overrides: Any) -> TransformerConfig:
     values: dict[str, Any] = dict(
         src_vocab_size=VOCAB,
         tgt_vocab_size=VOCAB,
-        d_model=32,
         num_heads=4,
         num_encoder_layers=2,
         num_decoder_layers=2,
-        d_ff=64,
-        dropout=0.0,
         window=3,
         max_len=64,
         pad_id=PAD,
         bos_id=BOS,
         eos_id=EOS,
     )
-    return TransformerConfig(**(values | overrides))
+    return tiny_config(**(values | overrides))
 
 
 def _model(**overrides: Any) -> Transformer:

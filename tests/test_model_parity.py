@@ -7,9 +7,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import tiny_config
 from torch import Tensor, nn
 
-from torch_handle.model import Transformer, TransformerConfig
+from torch_handle.model import Transformer
 from torch_handle.model.attention import MultiHeadAttention
 from torch_handle.model.masks import MaskSpec
 
@@ -172,7 +173,7 @@ def _copy_into_reference(model: Transformer, ref: _Reference) -> list[tuple[Tens
     ids=["post-ln-naive", "post-ln-sdpa", "pre-ln", "gelu"],
 )
 def test_transformer_matches_torch(backend: str, norm_first: bool, activation: str) -> None:
-    config = TransformerConfig(
+    config = tiny_config(
         src_vocab_size=VOCAB,
         tgt_vocab_size=VOCAB + 4,
         d_model=D_MODEL,
@@ -180,7 +181,6 @@ def test_transformer_matches_torch(backend: str, norm_first: bool, activation: s
         num_encoder_layers=2,
         num_decoder_layers=2,
         d_ff=D_FF,
-        dropout=0.0,
         activation=activation,
         norm_first=norm_first,
         position="sinusoidal",

@@ -9,16 +9,17 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import tiny_config
 
 from torch_handle import loss as loss_file
 from torch_handle.data import PAD_ID, TranslationDataModule
-from torch_handle.model import TransformerConfig, generate
+from torch_handle.model import generate
 from torch_handle.module import Seq2SeqModule
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 VOCAB = 40
-TINY = TransformerConfig(d_model=32, num_heads=2, num_encoder_layers=1, num_decoder_layers=1, d_ff=64, dropout=0.0)
+TINY = tiny_config()
 
 
 def _module(**kwargs: object) -> Seq2SeqModule:
@@ -66,7 +67,7 @@ def _configure(module: Seq2SeqModule, total_steps: int) -> dict:
 
 def test_no_weight_decay_on_norms_biases_and_embeddings() -> None:
     module = Seq2SeqModule(
-        TransformerConfig(d_model=32, num_heads=2, num_encoder_layers=1, num_decoder_layers=1, d_ff=64),
+        tiny_config(),
         vocab_size=VOCAB,
         weight_decay=0.05,
     )
@@ -243,7 +244,7 @@ def test_compile_compiles_each_layer_once_and_stays_out_of_the_checkpoint(
     monkeypatch.setattr(torch, "compile", lambda fn, *args, **kwargs: compiled.append(fn) or fn)
     loss_file.compiled_token_sums.cache_clear()
     datamodule = TranslationDataModule(demo_size=300, bpe_vocab_size=300, max_tokens=1024)
-    config = TransformerConfig(**{**TINY.to_dict(), "num_encoder_layers": 2})
+    config = tiny_config(num_encoder_layers=2)
     module = Seq2SeqModule(config, vocab_size=datamodule.vocab_size, generate_every_n_val_epochs=0, compile=True)
     trainer = L.Trainer(
         max_steps=1, limit_val_batches=1, logger=False, enable_progress_bar=False, enable_model_summary=False,

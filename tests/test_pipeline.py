@@ -42,6 +42,7 @@ def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("case", list(CASES))
 def test_pipeline_stages_train_as_one_process(case: str, schedule: str, results: dict[str, Any]) -> None:
@@ -149,6 +150,7 @@ def pp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 def test_two_pipeline_stages_train_as_one_process(tmp_path: Path) -> None:
     """Without dropout, 4 steps of 2 accumulated batches on 2 stages end with one process's weights: the schedule's
     backward passes, the accumulation and the tied embedding's summed gradients are Lightning's step. The stages'
@@ -177,6 +179,7 @@ INTERLEAVED = (
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 def test_interleaved_stages_train_as_one_process(tmp_path: Path) -> None:
     """Two stages on each of two processes (encoder layers 0 and 1 on stages 0 and 1, decoder layers on 2 and 3;
     process 0 holds stages 0 and 2): 4 steps end with one process's weights, and the step-2 shards continue on one
@@ -191,6 +194,7 @@ def test_interleaved_stages_train_as_one_process(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 def test_a_pipeline_run_resumes_exactly(pp_run: Path, tmp_path: Path) -> None:
     """Resumed from the step-2 shards (each stage reads its weights and AdamW state by name, every rank's random
     state restored), it ends bit for bit as the uninterrupted run."""
@@ -203,6 +207,7 @@ def test_a_pipeline_run_resumes_exactly(pp_run: Path, tmp_path: Path) -> None:
         assert torch.equal(got[name], want[name]), name
 
 
+@pytest.mark.slow
 def test_stages_that_do_not_divide_the_processes_are_one_line(tmp_path: Path) -> None:
     run = cli(_pp_args(tmp_path, 3))
     assert run.returncode != 0 and run.stderr.strip().splitlines()[-1] == (
@@ -212,6 +217,7 @@ def test_stages_that_do_not_divide_the_processes_are_one_line(tmp_path: Path) ->
     assert not (tmp_path / "checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_interleaving_one_stage_per_process_is_one_line_before_the_run_folder(tmp_path: Path) -> None:
     run = cli(_pp_args(tmp_path, 2, *INTERLEAVED[:2]))
     assert run.returncode != 0 and run.stderr.strip().splitlines()[-1] == (
@@ -223,6 +229,7 @@ def test_interleaving_one_stage_per_process_is_one_line_before_the_run_folder(tm
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 def test_pipeline_stages_split_by_tensor_parallelism_train_as_one_process(tmp_path: Path) -> None:
     """2 stages x 2 tensor-parallel ranks (4 processes, one batch a step): 4 steps end with one process's weights,
     each process counts a quarter of every batch, and the step-2 shards (split by stage and by heads) continue on one
@@ -239,6 +246,7 @@ def test_pipeline_stages_split_by_tensor_parallelism_train_as_one_process(tmp_pa
         assert_weights_close(want, checkpoint_weights(tmp_path / run), run)
 
 
+@pytest.mark.slow
 def test_decoding_in_validation_under_a_pipeline_is_one_line(tmp_path: Path) -> None:
     """Beam search is one sequential loop per batch: refused before training, not after the first epoch."""
     run = cli(_pp_args(tmp_path, 2, "--model.generate_every_n_val_epochs", "1"))
@@ -250,6 +258,7 @@ def test_decoding_in_validation_under_a_pipeline_is_one_line(tmp_path: Path) -> 
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 def test_fsdp2_across_pipelines_trains_as_one_process(tmp_path: Path) -> None:
     """``--trainer.devices 4`` with 2 stages: two pipelines, each stage sharded by FSDP2 across them, each pipeline
     taking one batch of a step, as one process accumulating both batches does."""

@@ -33,6 +33,7 @@ def run(strategy: str, precision: str, root: Path) -> subprocess.CompletedProces
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("strategy", ["ddp", "zero2"])
 def test_bf16_mixed_trains(strategy: str, tmp_path: Path) -> None:
     check(run(strategy, "bf16-mixed", tmp_path))
@@ -43,6 +44,7 @@ def test_bf16_mixed_trains(strategy: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 def test_16_mixed_on_cpu_with_ddp_falls_back_to_bf16(tmp_path: Path) -> None:
     result = check(run("ddp", "16-mixed", tmp_path))
     assert "AMP with fp16 is not supported on CPU. Using `precision='bf16-mixed'` instead." in result.stderr
@@ -50,6 +52,7 @@ def test_16_mixed_on_cpu_with_ddp_falls_back_to_bf16(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 def test_16_mixed_on_cpu_with_deepspeed_is_a_one_line_error(tmp_path: Path) -> None:
     if CPU_Accelerator().is_fp16_supported():
         pytest.skip("this CPU has fp16 kernels (AMX-FP16 / AVX512-FP16): DeepSpeed trains in fp16")

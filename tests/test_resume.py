@@ -14,6 +14,7 @@ from unittest.mock import Mock, PropertyMock
 
 import pytest
 import torch
+from conftest import tiny_config
 from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeedStrategy
 from lightning.pytorch.strategies import FSDPStrategy as LightningFSDPStrategy
 from lightning.pytorch.strategies import Strategy
@@ -33,7 +34,6 @@ from tests.helpers import (
     wait_for,
 )
 from torch_handle.export import read_checkpoint
-from torch_handle.model import TransformerConfig
 from torch_handle.module import Seq2SeqModule
 from torch_handle.strategies import DeepSpeedStrategy, FSDPStrategy
 
@@ -59,6 +59,7 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("strategy", list(STRATEGY_CONFIGS))
 def test_resume_mid_epoch_matches_the_uninterrupted_run(strategy: str, base: Path, tmp_path: Path) -> None:
     reference = reference_run(strategy, base)
@@ -68,6 +69,7 @@ def test_resume_mid_epoch_matches_the_uninterrupted_run(strategy: str, base: Pat
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("strategy", ["ddp", "zero2", "fsdp"])  # a file; DeepSpeed's and FSDP's folders
 def test_a_moved_run_folder_resumes_into_its_own_last_checkpoint(strategy: str, base: Path, tmp_path: Path) -> None:
     """A run folder renamed or copied elsewhere, resumed from one of its own checkpoints, goes on writing its
@@ -89,6 +91,7 @@ def test_a_moved_run_folder_resumes_into_its_own_last_checkpoint(strategy: str, 
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 def test_sigkill_then_ckpt_path_last_ends_with_the_uninterrupted_weights(base: Path, tmp_path: Path) -> None:
     # SlowDown makes every step after step 2 last a second, so the kill lands mid-epoch, after a checkpoint.
     command = [
@@ -299,6 +302,7 @@ def group_members(pgid: int) -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("until", [["--trainer.max_steps", "20"], []], ids=["max_steps", "max_epochs"])
 def test_resume_from_an_epoch_end_checkpoint_trains_the_next_epoch_exactly(until: list[str], tmp_path: Path) -> None:
     """The demo saves its checkpoints at validation's end, after an epoch's last batch. Lightning resumed a run
@@ -338,7 +342,7 @@ def test_resume_from_an_epoch_end_checkpoint_trains_the_next_epoch_exactly(until
 def test_configure_optimizers_leaves_the_train_loader_to_the_fit_loop() -> None:
     """``estimated_stepping_batches`` builds the train loader; built before the checkpoint is restored, Lightning
     never repositions it, and a resumed epoch restarts at batch 0. The schedule reads it at the first step."""
-    module = Seq2SeqModule(TransformerConfig(d_model=32, num_heads=2, num_encoder_layers=1, num_decoder_layers=1))
+    module = Seq2SeqModule(tiny_config())
     trainer = Mock()
     type(trainer).estimated_stepping_batches = PropertyMock(side_effect=AssertionError("train loader built early"))
     module.trainer = trainer

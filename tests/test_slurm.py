@@ -69,6 +69,7 @@ def _allocation(tmp_path: Path, args: list[str], **extra: str) -> subprocess.Com
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.skipif(shutil.which("torch-handle") is None, reason="the console script is not installed")
 def test_a_preempted_job_requeues_itself_and_the_next_allocation_continues_exactly(tmp_path: Path) -> None:
     reference = tmp_path / "reference"

@@ -49,6 +49,7 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("strategy", list(STRATEGY_CONFIGS))
 def test_loss_curve_and_weights_match_single_process(strategy: str, base: Path) -> None:
     expected = train_losses(reference_run(SINGLE, base))
@@ -65,6 +66,7 @@ def test_loss_curve_and_weights_match_single_process(strategy: str, base: Path) 
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 def test_zero3_export_predicts_as_the_gathered_checkpoint(base: Path, tmp_path: Path) -> None:
     checkpoint = reference_run("zero3", base) / "checkpoints" / "last.ckpt"
     exported = export(checkpoint, tmp_path / "model.safetensors")
@@ -100,6 +102,7 @@ def test_zero3_export_predicts_as_the_gathered_checkpoint(base: Path, tmp_path: 
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "fsdp"])
 def test_export_of_every_layout_holds_the_trained_weights(strategy: str, base: Path, tmp_path: Path) -> None:
     checkpoint = reference_run(strategy, base) / "checkpoints" / "last.ckpt"
@@ -122,6 +125,7 @@ def test_export_rejects_what_is_not_a_checkpoint(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 def test_a_failing_rank_ends_the_job(tmp_path: Path) -> None:
     run = cli(
         fit_args(
@@ -135,6 +139,7 @@ def test_a_failing_rank_ends_the_job(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 def test_two_nodes_on_localhost_train_as_ddp(base: Path, tmp_path: Path) -> None:
     """Two torchrun "nodes" of one process each match the two-process DDP run step for step."""
     port = free_port()
@@ -185,6 +190,7 @@ def _demo_fit(name: str, root: Path, *extra: str) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 def test_fsdp_on_a_data_config_clips_gradients_as_one_process(tmp_path: Path) -> None:
     """Every data config sets ``gradient_clip_val``; FSDP clips through its sharded ``clip_grad_norm_`` and so
     follows the single process's clipped loss curve, which differs from the unclipped one."""
@@ -200,6 +206,7 @@ def test_fsdp_on_a_data_config_clips_gradients_as_one_process(tmp_path: Path) ->
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 def test_zero3_folder_tests_and_exports(tied: bool, base: Path, tmp_path: Path) -> None:
     """fit -> test from the ZeRO-3 folder -> export, with and without tied embeddings."""
@@ -242,6 +249,7 @@ class HookedModules(L.Callback):
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 def test_zero3_gathers_each_layer_as_one_unit(tmp_path: Path) -> None:
     # DeepSpeed's default hooks every submodule, and that host time was more than the GPU's work in a step (44.5% of
     # DDP on an H100); the numbers are those of one process either way (test_loss_curve_and_weights_match_...).
@@ -260,6 +268,27 @@ def test_zero3_units_are_the_layers_and_nothing_else() -> None:
     assert set_zero3_units(model) == 5
     assert get_z3_leaf_modules(model) == [*model.encoder_layers, *model.decoder_layers]
     assert set_zero3_units(torch.nn.Sequential(torch.nn.Linear(2, 2))) == 0  # another LightningModule: untouched
+
+
+def test_deepspeed_on_cpu_compiles_no_shared_memory_op(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The op serves inference only; compiling it in a run's first process took minutes on a busy machine, and a
+    compile cut short left a lock file that every later run waited on forever."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator, set_accelerator
+    from deepspeed.comm.torch import build_shm_op
+
+    from torch_handle.strategies import use_deepspeed_cpu_accelerator
+
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # restored afterwards, as is the accelerator below
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    accelerator = get_accelerator()
+    try:
+        use_deepspeed_cpu_accelerator()
+        assert deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] is False
+        assert build_shm_op() is None
+    finally:
+        set_accelerator(accelerator)
+    assert list(tmp_path.iterdir()) == []  # nothing compiled
 
 
 @pytest.mark.parametrize(

@@ -38,6 +38,7 @@ def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("case", list(CASES))
 def test_parallel_ranks_train_as_one_process(case: str, results: dict[str, dict]) -> None:
     """Post-LN and pre-LN, tied and untied embeddings, every position type, full and local attention, padding in
@@ -50,6 +51,8 @@ def test_parallel_ranks_train_as_one_process(case: str, results: dict[str, dict]
     assert r["weights"] <= TOLERANCE
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_the_heads_feed_forward_and_vocabulary_are_split_the_rest_replicated(results: dict[str, dict]) -> None:
     """What tensor parallelism splits; FSDP2 alone shards every parameter on its dimension."""
     sharded = results["pre-ln-tied-alibi-local"]["sharded"]
@@ -114,6 +117,7 @@ def tp_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 def test_two_tensor_parallel_processes_train_as_one(tmp_path: Path) -> None:
     """Without dropout, 4 steps on 2 processes that split every layer end with one process's weights; throughput
     counts each batch once."""
@@ -133,6 +137,7 @@ def test_two_tensor_parallel_processes_train_as_one(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 def test_fsdp2_across_tensor_parallel_pairs_trains_as_one_process(tmp_path: Path) -> None:
     """configs/fsdp2_tp.yaml, 2 x 2 processes: each pair of tensor-parallel processes takes one batch of a step, as
     one process accumulating both batches does."""
@@ -143,6 +148,7 @@ def test_fsdp2_across_tensor_parallel_pairs_trains_as_one_process(tmp_path: Path
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 def test_a_tensor_parallel_run_resumes_exactly(tp_run: tuple[Path, list[str]], tmp_path: Path) -> None:
     """Resumed from step 2 (weights and AdamW state split back by heads, every rank's random state restored), it
     ends bit for bit as the uninterrupted run."""
@@ -154,6 +160,7 @@ def test_a_tensor_parallel_run_resumes_exactly(tp_run: tuple[Path, list[str]], t
         assert torch.equal(got[name], want[name]), name
 
 
+@pytest.mark.slow
 def test_a_mesh_that_does_not_multiply_out_is_one_line(tmp_path: Path) -> None:
     run = cli(_tp_args(tmp_path, 2, "--trainer.strategy.init_args.data_parallel_size", "2"))
     assert run.returncode != 0 and run.stderr.strip().splitlines()[-1] == (
@@ -164,6 +171,7 @@ def test_a_mesh_that_does_not_multiply_out_is_one_line(tmp_path: Path) -> None:
     assert not (tmp_path / "checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_heads_that_do_not_divide_are_one_line_before_the_run_folder(tmp_path: Path) -> None:
     """Checked when the strategy lays out its mesh: no run folder, no config.yaml left behind."""
     run = cli(_tp_args(tmp_path, 2, "--model.transformer.num_heads", "1"))

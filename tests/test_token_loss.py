@@ -139,6 +139,7 @@ def _fit(strategy: str, corpus: Path, base: Path) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3", "fsdp"])
 def test_step_gradient_is_the_per_token_gradient_of_all_micro_batches_and_ranks(
     strategy: str, corpus: Path, tmp_path_factory: pytest.TempPathFactory
@@ -159,6 +160,7 @@ def test_step_gradient_is_the_per_token_gradient_of_all_micro_batches_and_ranks(
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 def test_validation_loss_and_perplexity_are_corpus_per_token_values(
     corpus: Path, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
 ) -> None:

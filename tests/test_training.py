@@ -10,13 +10,13 @@ from pathlib import Path
 
 import lightning as L
 import pytest
+from conftest import tiny_config
 from lightning.pytorch.loggers import CSVLogger
 
 from torch_handle.data import BOS_ID, EOS_ID, PAD_ID, TranslationDataModule
-from torch_handle.model import TransformerConfig
 from torch_handle.module import Seq2SeqModule
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.slow]  # trains and tokenizes real Multi30k
 
 MAX_TOKENS = 2048
 TRAIN_STEPS = 60
@@ -69,9 +69,7 @@ def test_multi30k_batches_respect_the_token_budget(multi30k: TranslationDataModu
 
 def test_short_training_on_multi30k_lowers_validation_loss(multi30k: TranslationDataModule, tmp_path: Path) -> None:
     L.seed_everything(0)
-    config = TransformerConfig(
-        d_model=64, num_heads=2, num_encoder_layers=1, num_decoder_layers=1, d_ff=128, dropout=0.0, norm_first=True
-    )
+    config = tiny_config(d_model=64, d_ff=128, norm_first=True)
     module = Seq2SeqModule(
         config, vocab_size=multi30k.vocab_size, lr=3e-3, warmup_steps=10, generate_every_n_val_epochs=0
     )

@@ -116,11 +116,17 @@ def use_deepspeed_cpu_accelerator() -> None:
     made in this process (on a machine with a GPU that was asked to train on CPU).
     """
     os.environ["DS_ACCELERATOR"] = "cpu"
+    import deepspeed.ops
     from deepspeed.accelerator import get_accelerator, set_accelerator
     from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
 
     if get_accelerator().device_name() != "cpu":
         set_accelerator(CPU_Accelerator())
+    # Its shared-memory all-reduce serves inference only (training reduces through gloo), yet the first process
+    # compiles it with the C++ compiler under a lock file: minutes on a busy machine, and a compile cut short
+    # leaves the lock for every later run to wait on forever.
+    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
 
 
 def require_deepspeed() -> None:

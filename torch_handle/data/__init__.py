@@ -1,6 +1,12 @@
-"""Tokenizer, datasets, batching and the LightningDataModules."""
+"""Tokenizer, datasets, batching and the LightningDataModules.
 
-from torch_handle.data.base import Seq2SeqDataModule
+The DataModules are imported on first use, so that inference (:func:`torch_handle.load`), which reads
+``torch_handle.data.tokenizer`` and ``torch_handle.data.batching`` through this package, imports no Lightning.
+"""
+
+from importlib import import_module
+from typing import Any
+
 from torch_handle.data.batching import (
     Batch,
     Collator,
@@ -10,10 +16,15 @@ from torch_handle.data.batching import (
     TokenBudgetBatchSampler,
 )
 from torch_handle.data.demo import demo_corpus
-from torch_handle.data.summarization import SummarizationDataModule
 from torch_handle.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
-from torch_handle.data.translation import TranslationDataModule
 from torch_handle.errors import DataError
+
+_LIGHTNING = {
+    "Seq2SeqDataModule": "torch_handle.data.base",
+    "SummarizationDataModule": "torch_handle.data.summarization",
+    "TranslationDataModule": "torch_handle.data.translation",
+}
+"""The names that need Lightning, and the module each comes from."""
 
 __all__ = [
     "BOS_ID",
@@ -33,3 +44,10 @@ __all__ = [
     "TranslationDataModule",
     "demo_corpus",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LIGHTNING:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = globals()[name] = getattr(import_module(_LIGHTNING[name]), name)  # found directly from now on
+    return value
