@@ -20,7 +20,6 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from torch_handle.callbacks.checkpointing import Checkpoint  # noqa: E402
-
 from torch_handle.checkpoints import CheckpointError  # noqa: E402
 
 

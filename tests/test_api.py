@@ -213,7 +213,10 @@ def test_decoding_defaults_are_the_modules_and_the_data_modules() -> None:
         assert DEFAULT_MAX_SOURCE_TOKENS[task] == inspect.signature(data).parameters["max_source_tokens"].default
 
 
-KINDS = "a .safetensors export, a .ckpt file, a DeepSpeed or FSDP checkpoint folder, or a run folder"
+KINDS = (
+    "a .safetensors export, a .ckpt file, a DeepSpeed or FSDP checkpoint folder, a run folder, or a Hugging Face model "
+    "folder"
+)
 EXPORT = "torch-handle export"  # from Python, messages name the installed command
 FIT = "torch-handle fit --config ..."
 

@@ -30,10 +30,14 @@ from torch_handle.export import (
 from torch_handle.hierarchical import generate_summaries, summarize
 from torch_handle.model import CompiledDecode, Transformer, generate
 from torch_handle.model.generation import cpu_decoding_layout
+from torch_handle.pretrained import is_pretrained_folder, load_pretrained
 
 log = logging.getLogger(__name__)
 
-KINDS = "a .safetensors export, a .ckpt file, a DeepSpeed or FSDP checkpoint folder, or a run folder"
+KINDS = (
+    "a .safetensors export, a .ckpt file, a DeepSpeed or FSDP checkpoint folder, a run folder, or a Hugging Face "
+    "model folder"
+)
 
 
 class Model:
@@ -91,7 +95,7 @@ class Model:
             ``predict`` writes the same text, on one line.
         """
         single, texts = isinstance(texts, str), [texts] if isinstance(texts, str) else list(texts)
-        limit = self.decoding.max_source_tokens - 1  # the source ends in <eos>
+        limit = self._source_limit()
         ids = self.tokenizer.encode_batch(texts) if texts else []
         long = sum(len(row) > limit for row in ids)
         if long:
@@ -123,7 +127,7 @@ class Model:
             One summary per document in input order (a string for a string), as :meth:`translate`.
         """
         single, documents = isinstance(documents, str), [documents] if isinstance(documents, str) else list(documents)
-        limit = self.decoding.max_source_tokens - 1
+        limit = self._source_limit()
         ids = self.tokenizer.encode_batch(documents) if documents else []
         short = [i for i, row in enumerate(ids) if len(row) <= limit]
         out = [""] * len(ids)
@@ -141,6 +145,10 @@ class Model:
                 self.model, self.tokenizer, documents[i], batch_size=batch_size, generate_fn=generate_fn, **options
             )
         return out[0] if single else out
+
+    def _source_limit(self) -> int:
+        """A source's own tokens that fit: the source ends in <eos>, after a pretrained tokenizer's prefix."""
+        return self.decoding.max_source_tokens - 1 - len(self.tokenizer.specials.source_prefix)
 
     def _options(
         self, num_beams: int | None, max_new_tokens: int | None, length_penalty: float | None
@@ -206,8 +214,10 @@ def load(
     """The model at ``path``, in evaluation mode on ``device``, ready to translate or summarize.
 
     Args:
-        path: An exported ``.safetensors`` file, a ``.ckpt`` file, a DeepSpeed or FSDP checkpoint folder, or a run
-            folder (``--trainer.default_root_dir``: its ``checkpoints/last.ckpt`` is loaded).
+        path: An exported ``.safetensors`` file, a ``.ckpt`` file, a DeepSpeed or FSDP checkpoint folder, a run
+            folder (``--trainer.default_root_dir``: its ``checkpoints/last.ckpt`` is loaded), or a Hugging Face model
+            folder (BART, mBART, Marian, PEGASUS: :mod:`torch_handle.pretrained`), with its tokenizer and generation
+            config.
         device: Where to decode: ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ... On a GPU greedy decoding and beam search
             replay each step as a CUDA graph (see benchmarks/RESULTS.md, section "bench_peers on a GPU").
         attention_backend: The attention kernel on this machine (``auto`` picks one).
@@ -225,6 +235,9 @@ def load(
         raise SetupError(f"device={str(device)!r}, but this machine has no CUDA device: pass device='cpu'")
     if not path.exists():
         raise CheckpointError(f"{path} does not exist: pass {KINDS}")
+    if is_pretrained_folder(path):
+        model, tokenizer, decoding = load_pretrained(path, attention_backend)
+        return Model(model.to(device), tokenizer, decoding, compile)
     if is_exported(path):
         config, tokenizer = exported_metadata(path)
         decoding, weights = exported_decoding(path, config), exported_weights(path)

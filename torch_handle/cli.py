@@ -186,6 +186,9 @@ class TorchHandleCLI(LightningCLI):
         strategy = config.trainer.strategy
         if "deepspeed" in str(strategy.get("class_path", "") if isinstance(strategy, Namespace) else strategy).lower():
             require_deepspeed()  # before jsonargparse folds the strategy's own error into a Union message
+        init_from = config.model.get("init_from")
+        if init_from is not None and config.data.init_args.tokenizer_path is None:
+            config.data.init_args.tokenizer_path = init_from  # a pretrained model reads its own tokenizer's ids
         if self.subcommand not in EVALUATE:
             self._use_checkpoint_tokenizer(config)
             return

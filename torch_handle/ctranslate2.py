@@ -74,7 +74,30 @@ def unsupported(config: TransformerConfig) -> str | None:
             f"cross_downsample={config.cross_downsample}: CTranslate2's decoder attends to every encoder position; "
             "train with cross_downsample: 1"
         )
+    imported = {name: getattr(config, name) for name, ours in _OURS.items() if getattr(config, name) != ours}
+    if config.activation == "silu":
+        imported["activation"] = "silu"
+    if imported:  # options of imported Hugging Face models (torch_handle.pretrained)
+        name, value = next(iter(imported.items()))
+        return (
+            f"{name}={value!r}: this export writes torch-handle's own architecture; convert an imported Hugging "
+            "Face model from its folder with CTranslate2's ct2-transformers-converter"
+        )
     return None
+
+
+# The values of the options that only imported models change; the spec written here assumes them.
+_OURS: dict[str, object] = {
+    "sinusoid_layout": "interleaved",
+    "position_offset": 0,
+    "scale_embeddings": True,
+    "layernorm_embedding": False,
+    "final_logits_bias": False,
+    "share_source_embedding": None,
+    "suppress_ids": None,
+    "forced_bos_id": None,
+    "forced_eos_id": None,
+}
 
 
 def _ctranslate2_specs() -> Any:

@@ -416,14 +416,17 @@ def main(args: list[str] | None = None) -> None:
     parser.add_argument("output", help="the safetensors file to write, or the CTranslate2 model folder to create")
     parser.add_argument(
         "--format",
-        choices=("safetensors", "ctranslate2"),
+        choices=("safetensors", "ctranslate2", "hf"),
         default="safetensors",
         help="safetensors: one file for torch_handle.load; ctranslate2: a model folder for ctranslate2.Translator "
-        "(needs pip install 'torch-handle[bench]'; the checkpoint may also be a .safetensors export)",
+        "(needs pip install 'torch-handle[bench]'; the checkpoint may also be a .safetensors export); hf: a Hugging "
+        "Face folder for transformers' from_pretrained (models imported from BART, mBART, Marian or PEGASUS)",
     )
     options = parser.parse_args(args)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    write = export_ctranslate2 if options.format == "ctranslate2" else export
+    from torch_handle.pretrained.writer import export_hf  # it builds on this module
+
+    write = {"ctranslate2": export_ctranslate2, "hf": export_hf}.get(options.format, export)
     try:
         write(options.checkpoint, options.output)
     except (CheckpointError, ExportError) as err:

@@ -69,7 +69,8 @@ def generate_summaries(
             LightningModule passes one that keeps processes in lockstep. None calls ``generate``.
     """
     # The collator appends <eos> and pads exactly as training batches are built.
-    collate = Collator(max_source_tokens=max(map(len, sources)) + 1, max_target_tokens=3)
+    prefix = len(tokenizer.specials.source_prefix)
+    collate = Collator(max(map(len, sources)) + 1 + prefix, max_target_tokens=3, specials=tokenizer.specials)
     device = next(model.parameters()).device
     order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
     out = [""] * len(sources)

@@ -93,7 +93,8 @@ def merge_checkpoint_options(
             if key in typed or key in in_configs:
                 merged[key] = current[key]
             continue
-        if current[key] == value or (isinstance(value, list | tuple) and list(current[key]) == list(value)):
+        sequences = isinstance(value, list | tuple) and isinstance(current[key], list | tuple)
+        if current[key] == value or (sequences and list(current[key]) == list(value)):
             continue
         if key in typed or any(key.startswith(f"{option}.") for option in typed):  # also --model.transformer={...}
             raise CheckpointError(

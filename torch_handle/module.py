@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning as L
@@ -57,6 +58,8 @@ from torch_handle.parallel import (
     sharded_logits,
     vocab_parallel_token_sums,
 )
+from torch_handle.pretrained import fill, pretrained_config
+from torch_handle.pretrained.reader import read_weights
 
 Task = Literal["translation", "summarization"]
 BLEU_TOKENIZE = "13a"  # sacreBLEU's default tokenizer, the one WMT results are reported with
@@ -118,6 +121,9 @@ class Seq2SeqModule(L.LightningModule):
         compile: ``torch.compile`` each encoder and decoder layer (as torchtitan compiles its blocks) once the
             parallelisation plans are applied, and the loss: fused kernels and fewer launches on a GPU, after a
             compilation of about a minute. Chosen for each run: checkpoints do not keep it.
+        init_from: A Hugging Face model folder (BART, mBART, Marian, PEGASUS) to start from: its architecture
+            replaces ``transformer`` (but for the attention kernel and activation checkpointing), its weights the
+            random ones, and its tokenizer the data's (:mod:`torch_handle.pretrained`).
     """
 
     def __init__(
@@ -140,6 +146,7 @@ class Seq2SeqModule(L.LightningModule):
         chunk_overlap: int = 256,
         context_parallel: int = 1,
         compile: bool = False,
+        init_from: str | None = None,
     ) -> None:
         super().__init__()
         for name, value, valid, rule in (
@@ -164,6 +171,8 @@ class Seq2SeqModule(L.LightningModule):
         self.context_parallel = context_parallel
         self.use_compile = compile
         config = dataclasses.replace(transformer, src_vocab_size=vocab_size, tgt_vocab_size=vocab_size)
+        if init_from is not None:
+            config = self._pretrained_config(Path(init_from), transformer, vocab_size)
         check_context_parallel(config, context_parallel)
         if config.position in ("sinusoidal", "learned") and max_new_tokens + 1 > config.max_len:
             raise ConfigError(
@@ -172,11 +181,32 @@ class Seq2SeqModule(L.LightningModule):
             )
         self.model = Transformer(config)
         self.config = config
+        if init_from is not None:
+            fill(self.model, read_weights(Path(init_from)), init_from)
         self.eval_metrics = torch.nn.ModuleDict({stage: self._new_metrics(stage) for stage in ("val", "test")})
         self._decoded: set[str] = set()  # stages that decoded in their current epoch
         self._naive_ratio: float | None = None  # this test's naive-baseline ratio (see ``naive_ratio``)
         self._parallelized = False  # configure_model applied the parallelisation plans
         self._pipeline: Pipeline | None = None  # this process's pipeline stages, under pipeline parallelism
+
+    def _pretrained_config(self, folder: Path, given: TransformerConfig, vocab_size: int) -> TransformerConfig:
+        """The architecture of the Hugging Face model in ``folder``, with ``given``'s run settings (attention
+        kernel, activation checkpointing). Checkpoints keep it as ``transformer``, so they load without the folder."""
+        config, _, _ = pretrained_config(folder)
+        if vocab_size != config.tgt_vocab_size:
+            raise ConfigError(
+                f"--model.init_from {folder} embeds {config.tgt_vocab_size} tokens, the data's tokenizer has "
+                f"{vocab_size}: leave --data.tokenizer_path unset, and the folder's tokenizer is used"
+            )
+        config = dataclasses.replace(
+            config,
+            attention_backend=given.attention_backend,
+            activation_checkpointing=given.activation_checkpointing,
+        )
+        built = isinstance(self.hparams["transformer"], TransformerConfig)  # else its fields, as the CLI keeps them
+        self.hparams["transformer"] = config if built else config.to_dict()
+        self.hparams["init_from"] = None
+        return config
 
     def _new_metrics(self, stage: str) -> torch.nn.ModuleDict:
         """Per-token smoothed objective and NLL (token-weighted means, summed over ranks); BLEU and chrF, or ROUGE."""

@@ -4,6 +4,7 @@ import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from itertools import chain
+from pathlib import Path
 from typing import Any, Literal
 
 from lightning.pytorch import LightningDataModule
@@ -130,14 +131,24 @@ class Seq2SeqDataModule(LightningDataModule, ABC):
     def tokenizer(self) -> Tokenizer:
         """The tokenizer: from ``tokenizer_path``, a checkpoint, or trained on the train split."""
         if self._tokenizer is None:
-            if self.tokenizer_path is not None:
-                self._tokenizer = Tokenizer.from_file(self.tokenizer_path)
+            if self.tokenizer_path is not None and Path(self.tokenizer_path).is_dir():
+                from torch_handle.pretrained import pretrained_tokenizer  # a Hugging Face folder's (--model.init_from)
+
+                self._use(pretrained_tokenizer(Path(self.tokenizer_path)))
+            elif self.tokenizer_path is not None:
+                self._use(Tokenizer.from_file(self.tokenizer_path))
             else:
                 train = self._text("train")
                 if train is None or train.targets is None:
                     raise DataError("no tokenizer: set --data.tokenizer_path, or give training data to train one")
-                self._tokenizer = Tokenizer.train(chain(train.sources, train.targets), self.bpe_vocab_size)
+                self._use(Tokenizer.train(chain(train.sources, train.targets), self.bpe_vocab_size))
+        assert self._tokenizer is not None
         return self._tokenizer
+
+    def _use(self, tokenizer: Tokenizer) -> None:
+        """Encode and collate with ``tokenizer``: rows start and end with its special tokens."""
+        self._tokenizer = tokenizer
+        self.collator = dataclasses.replace(self.collator, specials=tokenizer.specials)
 
     @property
     def vocab_size(self) -> int:
@@ -206,7 +217,7 @@ class Seq2SeqDataModule(LightningDataModule, ABC):
         restored = Tokenizer.from_str(state_dict["tokenizer"])
         if self._tokenizer is not None and restored.to_str() == self._tokenizer.to_str():
             return
-        self._tokenizer = restored
+        self._use(restored)
         self._datasets = {}
         for split, text in self._texts.items():
             self._datasets[split] = None if text is None else self._encode(text, split)

@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import Dataset, Sampler
 from typing_extensions import override
 
-from torch_handle.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from torch_handle.data.tokenizer import PAD_ID, Specials
 
 # {"src": (B, S), "tgt": (B, T), "src_text": [...], "tgt_text": [...], "references": [[...], ...],
 #  "src_truncated": [...], "repeat": bool, "step_tokens": int (training batches only)}
@@ -88,16 +88,20 @@ class Collator:
 
     max_source_tokens: int
     max_target_tokens: int
+    specials: Specials = Specials()  # a pretrained tokenizer's: its ids and the prefixes its rows start with
 
     def source_ids(self, example: Example) -> list[int]:
         """The source row before padding."""
-        return example.src_ids[: self.max_source_tokens - 1] + [EOS_ID]
+        s = self.specials
+        return [*s.source_prefix, *example.src_ids[: self.max_source_tokens - 1 - len(s.source_prefix)], s.eos_id]
 
     def target_ids(self, example: Example) -> list[int]:
         """The target row before padding; empty for prediction inputs."""
         if example.tgt_ids is None:
             return []
-        return [BOS_ID] + example.tgt_ids[: self.max_target_tokens - 2] + [EOS_ID]
+        s = self.specials
+        keep = self.max_target_tokens - 2 - len(s.target_prefix)
+        return [s.bos_id, *s.target_prefix, *example.tgt_ids[:keep], s.eos_id]
 
     def scored_tokens(self, example: Example) -> int:
         """Target tokens the loss scores (all but ``<bos>``): what the example weighs in the loss."""
@@ -112,7 +116,7 @@ class Collator:
         if any(has_target) and not all(has_target):
             raise ValueError("a batch mixes examples with and without targets")
         batch: Batch = {
-            "src": _pad([self.source_ids(e) for e in examples]),
+            "src": _pad([self.source_ids(e) for e in examples], self.specials.pad_id),
             "src_text": [e.src_text for e in examples],
             "src_truncated": [len(e.src_ids) > self.max_source_tokens - 1 for e in examples],
             "repeat": all(e.repeat for e in examples),
@@ -120,15 +124,15 @@ class Collator:
         if examples and examples[0].step_tokens:  # training batches: the loss's normaliser
             batch["step_tokens"] = examples[0].step_tokens
         if all(has_target):
-            batch["tgt"] = _pad([self.target_ids(e) for e in examples])
+            batch["tgt"] = _pad([self.target_ids(e) for e in examples], self.specials.pad_id)
             batch["tgt_text"] = [e.tgt_text for e in examples]
             batch["references"] = [list(e.references) or [e.tgt_text] for e in examples]
         return batch
 
 
-def _pad(rows: list[list[int]]) -> torch.Tensor:
+def _pad(rows: list[list[int]], pad_id: int = PAD_ID) -> torch.Tensor:
     """Right-pads rows of ids into a (B, L) LongTensor."""
-    out = torch.full((len(rows), max(map(len, rows), default=0)), PAD_ID, dtype=torch.long)
+    out = torch.full((len(rows), max(map(len, rows), default=0)), pad_id, dtype=torch.long)
     for i, row in enumerate(rows):
         out[i, : len(row)] = torch.tensor(row, dtype=torch.long)
     return out

@@ -68,7 +68,8 @@ class SummarizationDataModule(Seq2SeqDataModule):
             query_field: JSON field holding a query (a question about the document) that every row has; the input
                 becomes the query, a blank line, then the document, as SCROLLS poses QMSum. None: the document
                 alone.
-            tokenizer_path: A saved ``tokenizer.json`` to use. None trains a BPE on the training documents and
+            tokenizer_path: A saved ``tokenizer.json`` to use, or a Hugging Face model folder (``--model.init_from``
+                sets it) whose tokenizer and special tokens to use. None trains a BPE on the training documents and
                 summaries (deterministic, so every rank trains the same one); checkpoints store it.
             bpe_vocab_size: Vocabulary size to train for, special and byte tokens included.
             max_tokens: Padded tokens per batch (batch size x longest sequence); a document longer than this

@@ -1,8 +1,10 @@
 """Byte-level BPE tokenizer with the special tokens at fixed ids."""
 
+import dataclasses
 import json
 import logging
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
@@ -14,33 +16,71 @@ from torch_handle.errors import DataError
 log = logging.getLogger(__name__)
 
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
+_WRAPPED = '{"torch_handle_specials"'  # how to_str marks a pretrained tokenizer's JSON
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")  # in id order
 
 
-class Tokenizer:
-    """Subword BPE from the ``tokenizers`` library, special tokens at fixed ids.
+@dataclass(frozen=True)
+class Specials:
+    """Where the special tokens sit, and which a row starts with: ours by default, a pretrained model's otherwise.
 
-    Byte-level pre-tokenization and decoding make ``decode(encode(text)) == text`` for any UTF-8 text
-    (umlauts, emoji, newlines, repeated spaces): every byte has a token, so nothing becomes ``<unk>``.
+    Args:
+        pad_id: Padding.
+        bos_id: The decoder's start token (a pretrained model's ``decoder_start_token_id``).
+        eos_id: The token that ends a source and a target.
+        source_prefix: Tokens before a source's own (BART's ``<s>``).
+        target_prefix: Tokens between the start token and a target's own (BART's ``<s>`` again).
     """
 
     pad_id: int = PAD_ID
     bos_id: int = BOS_ID
     eos_id: int = EOS_ID
+    source_prefix: tuple[int, ...] = ()
+    target_prefix: tuple[int, ...] = ()
+
+
+class Tokenizer:
+    """Subword BPE from the ``tokenizers`` library, special tokens at fixed ids, or a pretrained model's tokenizer.
+
+    Byte-level pre-tokenization and decoding make ``decode(encode(text)) == text`` for any UTF-8 text
+    (umlauts, emoji, newlines, repeated spaces): every byte has a token, so nothing becomes ``<unk>``.
+    """
+
     unk_id: int = UNK_ID
 
-    def __init__(self, backend: _HFTokenizer) -> None:
+    def __init__(self, backend: _HFTokenizer, specials: Specials | None = None) -> None:
         """Wraps a ``tokenizers.Tokenizer``; use :meth:`train`, :meth:`from_file` or :meth:`from_str`.
 
         Args:
             backend: A tokenizer whose special tokens sit at ids 0-3 in the order of ``SPECIAL_TOKENS``;
                 the model and the collator rely on those ids.
+            specials: A pretrained model's special tokens instead (:mod:`torch_handle.pretrained`); ``backend`` is
+                then taken as it is.
         """
-        ids = [backend.token_to_id(token) for token in SPECIAL_TOKENS]
-        if ids != list(range(len(SPECIAL_TOKENS))):
-            found = ", ".join(f"{t}={i}" for t, i in zip(SPECIAL_TOKENS, ids, strict=True))
-            raise DataError(f"tokenizer has special tokens at the wrong ids ({found}); expected 0-3 in that order")
+        if specials is None:
+            ids = [backend.token_to_id(token) for token in SPECIAL_TOKENS]
+            if ids != list(range(len(SPECIAL_TOKENS))):
+                found = ", ".join(f"{t}={i}" for t, i in zip(SPECIAL_TOKENS, ids, strict=True))
+                raise DataError(f"tokenizer has special tokens at the wrong ids ({found}); expected 0-3 in that order")
         self._backend = backend
+        self.specials = Specials() if specials is None else specials
+
+    @property
+    def backend(self) -> _HFTokenizer:
+        """The ``tokenizers.Tokenizer`` it wraps."""
+        return self._backend
+
+    @property
+    def pad_id(self) -> int:
+        return self.specials.pad_id
+
+    @property
+    def bos_id(self) -> int:
+        return self.specials.bos_id
+
+    @property
+    def eos_id(self) -> int:
+        return self.specials.eos_id
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int) -> "Tokenizer":
@@ -87,17 +127,30 @@ class Tokenizer:
         Args:
             json_str: The tokenizer's JSON serialization.
         """
+        specials = None
+        if json_str.startswith(_WRAPPED):  # a pretrained tokenizer's, with its special tokens
+            try:
+                wrapped = json.loads(json_str)
+                json_str = wrapped["tokenizer"]
+                fields = wrapped["torch_handle_specials"]
+                specials = Specials(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+            except (json.JSONDecodeError, KeyError, TypeError) as err:
+                raise DataError(f"not a tokenizer JSON ({err})") from None
         _check_ids(json_str)
         try:
             backend = _HFTokenizer.from_str(json_str)
         except Exception as err:  # the Rust binding raises a bare Exception
             reason = str(err).splitlines()[0] if str(err) else type(err).__name__
             raise DataError(f"not a tokenizer JSON ({reason})") from None
-        return cls(backend)
+        return cls(backend, specials)
 
     def to_str(self) -> str:
-        """The JSON serialization, from which :meth:`from_str` rebuilds an identical tokenizer."""
-        return self._backend.to_str()
+        """The JSON serialization, from which :meth:`from_str` rebuilds an identical tokenizer: the ``tokenizers``
+        JSON, wrapped with the special tokens where they are a pretrained model's."""
+        if self.specials == Specials():
+            return self._backend.to_str()
+        specials = dataclasses.asdict(self.specials)
+        return json.dumps({"torch_handle_specials": specials, "tokenizer": self._backend.to_str()})
 
     def save(self, path: str | Path) -> None:
         """Writes the tokenizer JSON atomically, so a crash never leaves a half-written file.
@@ -126,7 +179,7 @@ class Tokenizer:
         Args:
             ids: Token ids, e.g. one row of generated output (a list or a 1-D tensor).
         """
-        return self._backend.decode(_until_eos(ids), skip_special_tokens=True)
+        return self._backend.decode(_until_eos(ids, self.eos_id), skip_special_tokens=True)
 
     def decode_batch(self, batch: Sequence[Sequence[int]]) -> list[str]:
         """Text of each row in ``batch``, as :meth:`decode`.
@@ -134,7 +187,7 @@ class Tokenizer:
         Args:
             batch: Rows of token ids (a list of lists or a 2-D tensor).
         """
-        return self._backend.decode_batch([_until_eos(ids) for ids in batch], skip_special_tokens=True)
+        return self._backend.decode_batch([_until_eos(ids, self.eos_id) for ids in batch], skip_special_tokens=True)
 
 
 def _check_ids(json_str: str) -> None:
@@ -149,6 +202,8 @@ def _check_ids(json_str: str) -> None:
     model = data.get("model")
     vocab = model.get("vocab") if isinstance(model, dict) else None
     added = data.get("added_tokens")
+    if isinstance(vocab, list):  # a Unigram model's vocabulary: [token, score] pairs, ids by position
+        vocab = {str(entry[0]) if isinstance(entry, list) and entry else str(i): i for i, entry in enumerate(vocab)}
     ids = dict(vocab) if isinstance(vocab, dict) else {}
     if isinstance(added, list):
         ids.update((token.get("content"), token.get("id")) for token in added if isinstance(token, dict))
@@ -157,7 +212,7 @@ def _check_ids(json_str: str) -> None:
             raise DataError(f"not a tokenizer JSON (token {token!r} has id {id_!r}, outside 0-{len(ids) - 1})")
 
 
-def _until_eos(ids: Sequence[int]) -> list[int]:
+def _until_eos(ids: Sequence[int], eos_id: int) -> list[int]:
     """Plain ints up to (excluding) the first ``<eos>``; accepts tensors through ``tolist``."""
     values = ids.tolist() if hasattr(ids, "tolist") else [int(i) for i in ids]
-    return values[: values.index(EOS_ID)] if EOS_ID in values else values
+    return values[: values.index(eos_id)] if eos_id in values else values

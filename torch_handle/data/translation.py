@@ -50,7 +50,8 @@ class TranslationDataModule(Seq2SeqDataModule):
             test_split: File stem of the test split (Multi30k: ``test_2016_flickr``, ``test_2017_flickr``,
                 ``test_2018_flickr`` or ``test_2017_mscoco``).
             predict_file: Text file to translate, one sentence per line; output keeps its line order.
-            tokenizer_path: A saved ``tokenizer.json`` to use. None trains a joint source+target BPE on the
+            tokenizer_path: A saved ``tokenizer.json`` to use, or a Hugging Face model folder (``--model.init_from``
+                sets it) whose tokenizer and special tokens to use. None trains a joint source+target BPE on the
                 training split (deterministic, so every rank trains the same one); checkpoints store it.
             bpe_vocab_size: Vocabulary size to train for, special and byte tokens included.
             max_tokens: Padded tokens per batch (batch size x longest sequence); batches are length-bucketed

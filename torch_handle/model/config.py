@@ -7,9 +7,10 @@ from typing import Any, Literal
 
 import torch
 
-Activation = Literal["relu", "gelu"]
+Activation = Literal["relu", "gelu", "silu"]
 Position = Literal["sinusoidal", "learned", "rope", "alibi"]
 RopeScaling = Literal["linear", "ntk"]
+SinusoidLayout = Literal["interleaved", "halves"]
 EncoderAttention = Literal["full", "local"]
 AttentionBackend = Literal["auto", "naive", "sdpa", "flex", "xformers"]
 
@@ -19,7 +20,8 @@ class ConfigError(ValueError):
 
 
 _CHOICES: dict[str, tuple[Any, ...]] = {
-    "activation": ("relu", "gelu"),
+    "activation": ("relu", "gelu", "silu"),
+    "sinusoid_layout": ("interleaved", "halves"),
     "position": ("sinusoidal", "learned", "rope", "alibi"),
     "rope_scaling": (None, "linear", "ntk"),
     "encoder_attention": ("full", "local"),
@@ -46,11 +48,14 @@ class TransformerConfig:
         attention_dropout: Dropout on the attention weights; ``None`` takes ``dropout``. fairseq's and Hugging
             Face's seq2seq models default it to 0.
         activation_dropout: Dropout on the feed-forward hidden units; ``None`` takes ``dropout`` (fairseq: 0).
-        activation: Feed-forward non-linearity.
+        activation: Feed-forward non-linearity (``silu`` is Marian's "swish").
         norm_first: ``False`` is post-LN as in the paper; ``True`` is pre-LN, which trains deep stacks
             without warmup tricks.
         position: How positions enter: additive ``sinusoidal`` or ``learned`` tables, ``rope`` rotations
             or ``alibi`` biases (the last two extrapolate beyond ``max_len``).
+        sinusoid_layout: Columns of the ``sinusoidal`` table: ``interleaved`` sines and cosines as in the paper,
+            or sines then cosines in ``halves`` (Marian, PEGASUS).
+        position_offset: Rows of the ``learned`` table before position 0 (BART and mBART keep 2).
         rope_scaling: How RoPE stretches beyond its trained length: ``linear`` (position interpolation)
             or ``ntk`` (base rescaling); ``None`` leaves it unscaled.
         rope_scaling_factor: Stretch factor for ``rope_scaling`` (>= 1).
@@ -65,10 +70,20 @@ class TransformerConfig:
         activation_checkpointing: Recompute each layer's activations in the backward pass.
         tie_embeddings: Share the target embedding with the output projection (and with the source
             embedding when both vocabularies have the same size), as in the paper.
+        share_source_embedding: Whether the source and target embeddings are one table; ``None`` follows
+            ``tie_embeddings`` as above. ``True`` needs equal vocabulary sizes.
+        scale_embeddings: Multiply token embeddings by sqrt(d_model), as the paper and Marian; BART does not.
+        layernorm_embedding: A LayerNorm over embeddings plus positions in each stack (BART, mBART).
+        final_norm: End each stack in a LayerNorm; pre-LN needs it, post-LN BART and Marian have none.
+        final_logits_bias: A bias added to the logits, kept as a buffer (BART, Marian: not trained).
         layer_norm_eps: Epsilon of every LayerNorm.
         pad_id: Padding token id; padding masks are derived from it.
-        bos_id: Token that starts every decoder input.
+        bos_id: Token that starts every decoder input (Hugging Face's ``decoder_start_token_id``, which is EOS for
+            BART and padding for Marian).
         eos_id: Token that ends a sequence.
+        suppress_ids: Tokens never generated; ``None`` rules out ``pad_id`` and ``bos_id``.
+        forced_bos_id: Token forced as the first generated one (BART's ``forced_bos_token_id``).
+        forced_eos_id: Token forced as the last one when an output reaches its length limit.
     """
 
     src_vocab_size: int = 8000
@@ -84,6 +99,8 @@ class TransformerConfig:
     activation: Activation = "relu"
     norm_first: bool = False
     position: Position = "sinusoidal"
+    sinusoid_layout: SinusoidLayout = "interleaved"
+    position_offset: int = 0
     rope_scaling: RopeScaling | None = None
     rope_scaling_factor: float = 1.0
     rope_base: float = 10000.0
@@ -94,10 +111,18 @@ class TransformerConfig:
     cross_downsample: int = 1
     activation_checkpointing: bool = False
     tie_embeddings: bool = False
+    share_source_embedding: bool | None = None
+    scale_embeddings: bool = True
+    layernorm_embedding: bool = False
+    final_norm: bool = True
+    final_logits_bias: bool = False
     layer_norm_eps: float = 1e-5
     pad_id: int = 0
     bos_id: int = 1
     eos_id: int = 2
+    suppress_ids: list[int] | None = None
+    forced_bos_id: int | None = None
+    forced_eos_id: int | None = None
 
     def __post_init__(self) -> None:
         for name, choices in _CHOICES.items():
@@ -128,17 +153,42 @@ class TransformerConfig:
             raise ConfigError(f"rope_scaling_factor must be >= 1, got {self.rope_scaling_factor}")
         if self.rope_scaling is not None and self.position != "rope":
             raise ConfigError(f"rope_scaling={self.rope_scaling!r} needs position='rope', got {self.position!r}")
+        if self.position_offset < 0:
+            raise ConfigError(f"position_offset must be >= 0, got {self.position_offset}")
+        if self.share_source_embedding and self.src_vocab_size != self.tgt_vocab_size:
+            raise ConfigError(
+                f"share_source_embedding needs equal vocabularies, got {self.src_vocab_size} and {self.tgt_vocab_size}"
+            )
         ids = {"pad_id": self.pad_id, "bos_id": self.bos_id, "eos_id": self.eos_id}
         for name, value in ids.items():
             if not 0 <= value < min(self.src_vocab_size, self.tgt_vocab_size):
                 raise ConfigError(f"{name}={value} is outside the vocabulary")
-        if len(set(ids.values())) != 3:
-            raise ConfigError(f"pad_id, bos_id and eos_id must differ, got {ids}")
+        if self.pad_id == self.eos_id:
+            raise ConfigError(f"pad_id and eos_id must differ, got {self.pad_id}")
+        if self.bos_id in (self.pad_id, self.eos_id) and self.suppress_ids is None:
+            raise ConfigError(
+                f"bos_id={self.bos_id} is also padding or EOS: list the tokens never generated in suppress_ids"
+            )
+        for name, value in (("forced_bos_id", self.forced_bos_id), ("forced_eos_id", self.forced_eos_id)):
+            if value is not None and not 0 <= value < self.tgt_vocab_size:
+                raise ConfigError(f"{name}={value} is outside the target vocabulary")
 
     @property
     def context_length(self) -> int | None:
         """Longest sequence the position encoding supports: ``max_len`` for tables, None for rope and alibi."""
         return self.max_len if self.position in ("sinusoidal", "learned") else None
+
+    @property
+    def shares_source_embedding(self) -> bool:
+        """Whether the source and target embeddings are one table (see ``share_source_embedding``)."""
+        if self.share_source_embedding is not None:
+            return self.share_source_embedding
+        return self.tie_embeddings and self.src_vocab_size == self.tgt_vocab_size
+
+    @property
+    def suppressed(self) -> list[int]:
+        """The tokens never generated: ``suppress_ids``, or padding and BOS."""
+        return [self.pad_id, self.bos_id] if self.suppress_ids is None else list(self.suppress_ids)
 
     @property
     def head_dim(self) -> int:

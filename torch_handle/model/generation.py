@@ -33,10 +33,17 @@ def cpu_decoding_layout(model: nn.Module) -> None:
             module.weight.data = module.weight.data.t().contiguous().t()
 
 
-def next_token_logits(logits: Tensor, pad_id: int, bos_id: int) -> Tensor:
-    """Last-position logits ``(B, V)`` with padding and BOS ruled out: neither is ever a next token."""
+def next_token_logits(logits: Tensor, config: TransformerConfig, step: int, steps: int) -> Tensor:
+    """Last-position logits ``(B, V)`` of output position ``step`` of ``steps``, the tokens never generated ruled out
+    (by default padding and BOS), and ``forced_bos_id`` first or ``forced_eos_id`` last the only ones left."""
     logits = logits[:, -1].float()
-    logits[:, [pad_id, bos_id]] = float("-inf")
+    forced = config.forced_bos_id if step == 0 else config.forced_eos_id if step == steps - 1 else None
+    if forced is not None:
+        keep = logits[:, forced].clone()
+        logits.fill_(float("-inf"))
+        logits[:, forced] = keep
+    elif config.suppressed:
+        logits[:, config.suppressed] = float("-inf")
     return logits
 
 
@@ -221,7 +228,7 @@ def _dynamic_greedy(
     c = model.config
     done = False
     for step in range(start, out.shape[1]):
-        logits = next_token_logits(model.decode(token, memory, memory_padding, cache), c.pad_id, c.bos_id)
+        logits = next_token_logits(model.decode(token, memory, memory_padding, cache), c, step, out.shape[1])
         token = logits.max(dim=-1, keepdim=True).indices  # (b, 1); faster than argmax on CPU, same ties
         if not done:
             out[rows, step] = token[:, 0]
@@ -250,7 +257,7 @@ def _static_greedy(
     out = torch.full((token.shape[0], max_new_tokens), c.pad_id, dtype=torch.long, device=token.device)
     finished = torch.zeros(token.shape[0], dtype=torch.bool, device=token.device)
     for i in range(max_new_tokens):
-        token = next_token_logits(step(token), c.pad_id, c.bos_id).max(dim=-1, keepdim=True).indices
+        token = next_token_logits(step(token), c, i, max_new_tokens).max(dim=-1, keepdim=True).indices
         out[:, i] = token[:, 0].masked_fill(finished, c.pad_id)
         finished |= token[:, 0] == c.eos_id
         if all_done(bool(finished.all())):
@@ -314,7 +321,7 @@ def beam_search(
             logits = model.decode(tokens[:, -1:], memory, memory_padding, cache)
         else:
             logits = static(tokens[:, -1:].contiguous())  # a fixed stride, or the compiled step recompiles
-        logp = torch.log_softmax(next_token_logits(logits, c.pad_id, c.bos_id), dim=-1)  # (n*K, V)
+        logp = torch.log_softmax(next_token_logits(logits, c, step, max_new_tokens), dim=-1)  # (n*K, V)
         vocab = logp.shape[-1]
         total = (logp.view(n, k, vocab) + scores[..., None]).view(n, k * vocab)
         top_scores, top_ids = total.topk(2 * k, dim=-1)  # (n, 2K)

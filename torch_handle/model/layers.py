@@ -9,6 +9,8 @@ from torch_handle.model.attention import KVCache, MultiHeadAttention
 from torch_handle.model.config import TransformerConfig
 from torch_handle.model.masks import MaskSpec
 
+_ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
+
 
 class FeedForward(nn.Module):
     """Position-wise ``linear2(dropout(act(linear1(x))))``, the layout of ``nn.TransformerEncoderLayer``."""
@@ -18,7 +20,7 @@ class FeedForward(nn.Module):
         self.linear1 = nn.Linear(config.d_model, config.d_ff)
         self.linear2 = nn.Linear(config.d_ff, config.d_model)
         self.dropout = nn.Dropout(config.activation_p)
-        self.activation = F.gelu if config.activation == "gelu" else F.relu
+        self.activation = _ACTIVATIONS[config.activation]
 
     def forward(self, x: Tensor) -> Tensor:
         return self.linear2(self.dropout(self.activation(self.linear1(x))))

@@ -8,12 +8,19 @@ import torch
 from torch import Tensor
 
 
-def sinusoidal_table(max_len: int, d_model: int) -> Tensor:
+def sinusoidal_table(max_len: int, d_model: int, layout: str = "interleaved") -> Tensor:
     """The paper's table: PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(...).
+
+    ``halves`` puts the same sines in the first half of the columns and the cosines in the second (Marian, PEGASUS),
+    computed in float64 as they are.
 
     Returns:
         A float32 tensor of shape ``(max_len, d_model)``.
     """
+    if layout == "halves":
+        position = torch.arange(max_len, dtype=torch.float64)[:, None]  # (L, 1)
+        angles = position / 10000.0 ** (torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)  # (L, ceil(d/2))
+        return torch.cat([angles.sin(), angles[:, : d_model // 2].cos()], dim=1).float()
     position = torch.arange(max_len, dtype=torch.float32)[:, None]  # (L, 1)
     div = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32) * (-math.log(10000.0) / d_model))
     table = torch.zeros(max_len, d_model)

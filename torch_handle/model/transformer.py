@@ -119,6 +119,14 @@ def _any_padding(pad: Tensor) -> Tensor | None:
     return pad if bool(pad.any()) else None
 
 
+def _target_padding(tgt: Tensor, pad_id: int) -> Tensor:
+    """``(B, T)``: True at the padding of decoder inputs ``tgt``. Padding is on the right, after the start token, which
+    is never padding even where it is ``pad_id`` (Marian starts with it); causal attention hides the rest."""
+    pad = tgt == pad_id
+    pad[:, 0] = False
+    return pad
+
+
 def _tokens(pad: Tensor) -> tuple[Tensor | None, Tensor | None]:
     """``(pad, rows)``: the padding mask ``(B, T)`` and the flat indices of the tokens that are not padding, which
     the feed-forward blocks run on alone; both ``None`` when nothing is padding (see :func:`_any_padding`)."""
@@ -139,24 +147,32 @@ class Transformer(nn.Module):
         self.activation_checkpointing = config.activation_checkpointing
         d = config.d_model
         self.tgt_embed = nn.Embedding(config.tgt_vocab_size, d)
-        share_src = config.tie_embeddings and config.src_vocab_size == config.tgt_vocab_size
+        share_src = config.shares_source_embedding
         self.src_embed = self.tgt_embed if share_src else nn.Embedding(config.src_vocab_size, d)
         self.lm_head = nn.Linear(d, config.tgt_vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.tgt_embed.weight
+        if config.final_logits_bias:  # a buffer, as in BART and Marian: fine-tuning leaves it as imported
+            self.register_buffer("logits_bias", torch.zeros(config.tgt_vocab_size))
         if config.position == "learned":
-            self.src_pos = nn.Embedding(config.max_len, d)
-            self.tgt_pos = nn.Embedding(config.max_len, d)
+            self.src_pos = nn.Embedding(config.position_offset + config.max_len, d)
+            self.tgt_pos = nn.Embedding(config.position_offset + config.max_len, d)
         if config.position == "sinusoidal":
-            self.register_buffer("pe", sinusoidal_table(config.max_len, d), persistent=False)
+            table = sinusoidal_table(config.max_len, d, config.sinusoid_layout)
+            self.register_buffer("pe", table, persistent=False)
         if config.position == "alibi":
             self.register_buffer("slopes", alibi_slopes(config.num_heads), persistent=False)
+        if config.layernorm_embedding:
+            self.src_embed_norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
+            self.tgt_embed_norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.dropout)
         self.encoder_layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.num_encoder_layers))
         self.decoder_layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_decoder_layers))
-        # Both stacks end in a LayerNorm, as in torch.nn.Transformer (pre-LN needs it; post-LN keeps parity).
-        self.encoder_norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
-        self.decoder_norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
+        # Both stacks end in a LayerNorm, as in torch.nn.Transformer (pre-LN needs it; post-LN keeps parity), unless
+        # ``final_norm`` is off (post-LN BART and Marian).
+        final_norm = (lambda: nn.LayerNorm(d, eps=config.layer_norm_eps)) if config.final_norm else nn.Identity
+        self.encoder_norm = final_norm()
+        self.decoder_norm = final_norm()
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -172,9 +188,18 @@ class Transformer(nn.Module):
 
     # --- pieces -------------------------------------------------------------------------------------------
 
-    def _embed(self, tokens: Tensor, embed: nn.Embedding, table: nn.Embedding | None, offset: int | Tensor) -> Tensor:
+    def _embed(
+        self,
+        tokens: Tensor,
+        embed: nn.Embedding,
+        table: nn.Embedding | None,
+        offset: int | Tensor,
+        norm: nn.LayerNorm | None,
+    ) -> Tensor:
         c = self.config
-        x = embed(tokens) * math.sqrt(c.d_model)  # (B, T, C)
+        x = embed(tokens)  # (B, T, C)
+        if c.scale_embeddings:
+            x = x * math.sqrt(c.d_model)
         if c.position in ("sinusoidal", "learned"):
             end = offset + tokens.shape[1] if isinstance(offset, int) else 0  # a static cache checked at creation
             if end > c.max_len:
@@ -183,8 +208,10 @@ class Transformer(nn.Module):
                     "raise max_len or use position='rope' or 'alibi'"
                 )
             positions = torch.arange(tokens.shape[1], device=tokens.device) + offset
+            if table is not None:
+                positions = positions + c.position_offset
             x = x + (self.pe[positions] if table is None else table(positions)).to(x.dtype)
-        return self.dropout(x)
+        return self.dropout(x if norm is None else norm(x))
 
     def _rope(self, offset: int, length: int, device: torch.device) -> tuple[Tensor, Tensor] | None:
         if self.config.position != "rope":
@@ -237,11 +264,15 @@ class Transformer(nn.Module):
 
     def embed_source(self, src: Tensor, offset: int = 0) -> Tensor:
         """Scaled source embeddings plus absolute positions, after dropout: the first encoder layer's input."""
-        return self._embed(src, self.src_embed, getattr(self, "src_pos", None), offset)
+        return self._embed(
+            src, self.src_embed, getattr(self, "src_pos", None), offset, getattr(self, "src_embed_norm", None)
+        )
 
     def embed_target(self, tgt: Tensor, offset: int | Tensor = 0) -> Tensor:
         """Scaled target embeddings plus absolute positions, after dropout: the first decoder layer's input."""
-        return self._embed(tgt, self.tgt_embed, getattr(self, "tgt_pos", None), offset)
+        return self._embed(
+            tgt, self.tgt_embed, getattr(self, "tgt_pos", None), offset, getattr(self, "tgt_embed_norm", None)
+        )
 
     def encoder_context(self, src: Tensor, offset: int = 0, halo_padding: Tensor | None = None) -> EncoderContext:
         """What every encoder layer needs besides its input: the mask and the RoPE angles (see :meth:`encode`)."""
@@ -277,7 +308,7 @@ class Transformer(nn.Module):
             MaskSpec(causal=True, alibi=self._slopes, q_offset=offset),
             MaskSpec(key_padding=_any_padding(memory_padding)),
             self._rope(offset, tgt.shape[1], tgt.device),
-            None if cached else _tokens(tgt == self.config.pad_id)[1],  # right padding: causal attention hides it
+            None if cached else _tokens(_target_padding(tgt, self.config.pad_id))[1],
         )
 
     def run_decoder(self, x: Tensor, memory: Tensor, context: DecoderContext, layers: range | None = None) -> Tensor:
@@ -290,7 +321,8 @@ class Transformer(nn.Module):
     def logits(self, x: Tensor, targets: Tensor | None = None) -> Tensor:
         """Next-token logits ``(B, T, V)`` of the last decoder layer's output ``x (B, T, C)``; with ``targets``, a
         ``(B, T)`` mask, those positions' only, ``(N, V)``: a loss that skips padding needs no logits there."""
-        return self.lm_head(self.decoder_norm(x if targets is None else x[targets]))
+        logits = self.lm_head(self.decoder_norm(x if targets is None else x[targets]))
+        return logits + self.logits_bias.to(logits.dtype) if self.config.final_logits_bias else logits
 
     def _pool(self, x: Tensor, pad: Tensor) -> Tensor:
         """Mask-aware average pooling: padding never enters a slot's mean."""

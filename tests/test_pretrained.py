@@ -1,0 +1,279 @@
+"""Hugging Face BART and Marian folders as our Transformer: logits and generate against transformers, offline."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from tokenizers import Tokenizer as HFTokenizer  # noqa: E402
+from tokenizers import models, pre_tokenizers, processors  # noqa: E402
+
+import torch_handle  # noqa: E402
+from tests.test_hostile_files import SHAPES  # noqa: E402
+from torch_handle.checkpoints import CheckpointError  # noqa: E402
+from torch_handle.cli import main  # noqa: E402
+from torch_handle.ctranslate2 import ExportError  # noqa: E402
+from torch_handle.data.batching import Collator, Example  # noqa: E402
+from torch_handle.data.tokenizer import Tokenizer  # noqa: E402
+from torch_handle.export import main as export_main  # noqa: E402
+from torch_handle.model import Transformer, TransformerConfig, generate  # noqa: E402
+from torch_handle.module import Seq2SeqModule  # noqa: E402
+from torch_handle.pretrained import load_pretrained, pretrained_tokenizer  # noqa: E402
+from torch_handle.pretrained.writer import write_hf  # noqa: E402
+
+WORDS = [f"w{i}" for i in range(120)]
+TEXTS = ["w1 w2 w3", "w5", "w7 w8 w9 w10 w11 w12 w13", "w20 w21 w22 w23", "w40 w41"]
+SIZE = {"d_model": 32, "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": 4}
+SIZE |= {"decoder_attention_heads": 4, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64, "max_position_embeddings": 64}
+
+
+def _tokenizer(specials: list[str], template: str, pad: str, eos: str, bos: str | None) -> object:
+    vocab = {token: i for i, token in enumerate([*specials, *WORDS])}
+    if pad not in vocab:  # Marian keeps padding last
+        vocab[pad] = len(vocab)
+    backend = HFTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    named = {t: vocab[t] for t in (bos, eos) if t is not None}
+    backend.post_processor = processors.TemplateProcessing(single=template, special_tokens=list(named.items()))
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token=pad, eos_token=eos, unk_token="<unk>", **({"bos_token": bos} if bos else {})
+    )
+
+
+def _bart() -> tuple[object, object]:
+    tok = _tokenizer(["<s>", "<pad>", "</s>", "<unk>"], "<s> $A </s>", "<pad>", "</s>", "<s>")
+    model = transformers.BartForConditionalGeneration(transformers.BartConfig(vocab_size=len(tok), **SIZE))
+    model.generation_config.update(forced_bos_token_id=0)  # as bart-large-cnn's
+    return model, tok
+
+
+def _marian() -> tuple[object, object]:
+    tok = _tokenizer(["</s>", "<unk>"], "$A </s>", "<pad>", "</s>", None)
+    pad = tok.pad_token_id
+    config = transformers.MarianConfig(
+        vocab_size=len(tok), pad_token_id=pad, decoder_start_token_id=pad, eos_token_id=0, forced_eos_token_id=0,
+        activation_function="swish", scale_embedding=True, **SIZE,
+    )  # fmt: skip
+    model = transformers.MarianMTModel(config)
+    model.generation_config.update(bad_words_ids=[[pad]])  # as opus-mt's
+    return model, tok
+
+
+def _mbart() -> tuple[object, object]:
+    tok = _tokenizer(["<s>", "<pad>", "</s>", "<unk>"], "<s> $A </s>", "<pad>", "</s>", "<s>")
+    config = transformers.MBartConfig(vocab_size=len(tok), decoder_start_token_id=2, scale_embedding=True, **SIZE)
+    return transformers.MBartForConditionalGeneration(config), tok
+
+
+def _pegasus() -> tuple[object, object]:
+    tok = _tokenizer(["<pad>", "</s>", "<unk>"], "$A </s>", "<pad>", "</s>", None)
+    config = transformers.PegasusConfig(
+        vocab_size=len(tok), pad_token_id=0, eos_token_id=1, decoder_start_token_id=0, forced_eos_token_id=1,
+        activation_function="relu", scale_embedding=True, **SIZE,
+    )  # fmt: skip
+    return transformers.PegasusForConditionalGeneration(config), tok
+
+
+FAMILIES = {"bart": _bart, "marian": _marian}  # every file format, fine-tuning and export too
+MORE = {"mbart": _mbart, "pegasus": _pegasus}  # safetensors, logits and decoding
+EOS_BONUS = {"bart": 2.0, "marian": 2.0, "mbart": 1.5, "pegasus": 2.0}  # a logit bias: outputs end apart
+
+
+FORMATS = ("safetensors", "sharded", "bin")
+
+
+def _save(family: str, fmt: str, path: Path) -> tuple[Path, object, object]:
+    """A random model of the family saved with its tokenizer as ``fmt``: one safetensors file, shards of one, or the
+    pickled ``pytorch_model.bin`` older ``transformers`` wrote (every tensor, tied ones too)."""
+    torch.manual_seed(0)
+    model, tok = {**FAMILIES, **MORE}[family]()
+    with torch.no_grad():  # weights larger than transformers' initialisation: outputs then follow their sources
+        for name, parameter in model.named_parameters():
+            if parameter.dim() == 2 and "embed_positions" not in name:  # Marian's sinusoid is a frozen parameter
+                parameter.normal_(std=0.15)
+        model.final_logits_bias.normal_(std=0.5)
+        model.final_logits_bias[0, model.config.eos_token_id] += EOS_BONUS[family]
+    model.generation_config.update(max_length=12, num_beams=4, early_stopping=True)
+    model.save_pretrained(path, max_shard_size="40KB" if fmt == "sharded" else "1GB")
+    tok.save_pretrained(path)
+    if fmt == "sharded":
+        assert len(list(path.glob("model-*.safetensors"))) > 1
+    if fmt == "bin":
+        (path / "model.safetensors").unlink()
+        torch.save(model.state_dict(), path / "pytorch_model.bin")
+    return path, model.eval(), tok
+
+
+@pytest.fixture(
+    scope="module",
+    params=[(f, fmt) for f in FAMILIES for fmt in FORMATS] + [(f, "safetensors") for f in MORE],
+    ids="-".join,
+)
+def saved(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object, object]:
+    return _save(*request.param, tmp_path_factory.mktemp(request.param[0]))
+
+
+@pytest.fixture(scope="module", params=[*FAMILIES, *MORE])
+def folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object, object]:
+    return _save(request.param, "safetensors", tmp_path_factory.mktemp(request.param))
+
+
+def test_encoder_output_and_logits_match_transformers(saved: tuple[Path, object, object]) -> None:
+    path, hf, tok = saved
+    ours, _, _ = load_pretrained(path)
+    ours.eval()
+    batch = tok(TEXTS, return_tensors="pt", padding=True)
+    start = hf.config.decoder_start_token_id
+    tgt = torch.cat([torch.full((len(TEXTS), 1), start), torch.randint(4, 100, (len(TEXTS), 6))], dim=1)
+    with torch.no_grad():
+        hf_out = hf(**batch, decoder_input_ids=tgt)
+        memory = ours.encode(batch["input_ids"])
+        logits = ours(batch["input_ids"], tgt)
+    keep = batch["attention_mask"].bool()  # our padding positions skip the feed-forward blocks: nothing reads them
+    torch.testing.assert_close(memory[keep], hf_out.encoder_last_hidden_state[keep], atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits, hf_out.logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("num_beams", [1, 4])
+def test_generate_matches_transformers(folder: tuple[Path, object, object], num_beams: int) -> None:
+    path, hf, tok = folder
+    batch = tok(TEXTS, return_tensors="pt", padding=True)
+    expected = hf.generate(**batch, num_beams=num_beams)[:, 1:]  # without the decoder's start token
+    ours, _, decoding = load_pretrained(path)
+    out = generate(ours.eval(), batch["input_ids"], decoding.max_new_tokens, num_beams, decoding.length_penalty)
+    width = max(out.shape[1], expected.shape[1])
+    pad = hf.config.pad_token_id
+    out, expected = (torch.nn.functional.pad(t, (0, width - t.shape[1]), value=pad) for t in (out, expected))
+    assert torch.equal(out, expected)
+    # Hypotheses finish at different steps, and others at the length limit (forced EOS); this tiny PEGASUS ends every
+    # output at once or none before the limit, whatever the bias.
+    if num_beams > 1 and hf.config.model_type != "pegasus":
+        assert len({int((row != pad).sum()) for row in expected}) > 1, "outputs of one length test less"
+    texts = torch_handle.load(path).translate(TEXTS, num_beams=num_beams)
+    assert texts == [t.strip() for t in tok.batch_decode(expected, skip_special_tokens=True)]
+
+
+def test_unsupported_model_type_is_one_line(tmp_path: Path) -> None:
+    _save("bart", "safetensors", tmp_path)
+    config = (tmp_path / "config.json").read_text().replace('"model_type": "bart"', '"model_type": "t5"')
+    (tmp_path / "config.json").write_text(config)
+    with pytest.raises(CheckpointError, match=r"model_type 't5' is not supported; supported: bart, marian, mbart"):
+        load_pretrained(tmp_path)
+
+
+def test_wrong_shape_names_the_tensor(tmp_path: Path) -> None:
+    _save("bart", "safetensors", tmp_path)
+    config = (tmp_path / "config.json").read_text().replace('"encoder_ffn_dim": 64', '"encoder_ffn_dim": 48')
+    (tmp_path / "config.json").write_text(config.replace('"decoder_ffn_dim": 64', '"decoder_ffn_dim": 48'))
+    with pytest.raises(CheckpointError, match=r"tensor model.decoder.layers.0.fc1.bias has shape \(64,\), config"):
+        load_pretrained(tmp_path)
+
+
+def test_a_bin_that_is_not_a_zip_archive_is_refused(tmp_path: Path) -> None:
+    _save("bart", "bin", tmp_path)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x02cos\nsystem\n.")  # an old-style pickle
+    with pytest.raises(CheckpointError, match="pytorch_model.bin is not a torch.save zip archive"):
+        load_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_a_hostile_bin_runs_nothing(shape: str, tmp_path: Path) -> None:
+    """Every hostile shape of the checkpoint tests, as a folder's ``pytorch_model.bin``, is refused in one line."""
+    folder, marker = tmp_path / "model", tmp_path / "marker"
+    _save("bart", "bin", folder)
+    weights = folder / "pytorch_model.bin"
+    weights.write_bytes(SHAPES[shape](weights.read_bytes(), marker))
+    with pytest.raises(CheckpointError) as error:
+        torch_handle.load(folder)
+    assert "\n" not in str(error.value) and "pytorch_model.bin" in str(error.value)
+    assert not marker.exists()
+
+
+TARGETS = ["w3 w2 w1", "w6 w6", "w13 w12 w11", "w24", "w41 w40 w40 w41"]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_init_from_trains_on_transformers_loss(family: str, tmp_path: Path) -> None:
+    # --model.init_from: the module starts from the folder's weights, and the folder's tokenizer collates the rows
+    # transformers' tokenizer makes (BART: <s> text </s>, the decoder starting at </s>; Marian: text </s>, from
+    # <pad>), so the first step's loss is transformers' on the same batch.
+    path, hf, tok = _save(family, "safetensors", tmp_path)
+    tokenizer = pretrained_tokenizer(path)
+    rows = zip(tokenizer.encode_batch(TEXTS), tokenizer.encode_batch(TARGETS), strict=True)
+    batch = Collator(64, 64, tokenizer.specials)([Example(s, "", t, "") for s, t in rows])
+    reference = tok(TEXTS, text_target=TARGETS, return_tensors="pt", padding=True)
+    assert torch.equal(batch["src"], reference["input_ids"])
+    labels = reference["labels"]
+    assert torch.equal(batch["tgt"][:, 1:], labels)
+    module = Seq2SeqModule(vocab_size=tokenizer.vocab_size, label_smoothing=0.0, max_new_tokens=11, init_from=str(path))
+    module.eval()
+    assert module.hparams["init_from"] is None and module.hparams["transformer"] == module.config  # no folder needed
+    with torch.no_grad():
+        _, nll_sum, tokens = module._loss(batch)
+        inputs = {"input_ids": reference["input_ids"], "attention_mask": reference["attention_mask"]}
+        expected = hf(**inputs, labels=labels.masked_fill(labels == tok.pad_token_id, -100)).loss
+    torch.testing.assert_close(nll_sum / tokens, expected, atol=1e-5, rtol=0)
+    restored = Tokenizer.from_str(tokenizer.to_str())  # checkpoints keep the special tokens beside the vocabulary
+    assert restored.specials == tokenizer.specials and restored.encode_batch(TEXTS) == tokenizer.encode_batch(TEXTS)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_fit_init_from_then_test_and_load(tmp_path: Path) -> None:
+    # The CLI path: fit starts from the folder (its tokenizer too), test reads the run's checkpoint without it, and
+    # the run loads for translation with the folder's special tokens.
+    path, _, _ = _save("bart", "safetensors", tmp_path / "bart")
+    run = tmp_path / "run"
+    demo = str(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml")
+    common = [f"--config={demo}", f"--trainer.default_root_dir={run}", "--trainer.enable_progress_bar=false"]
+    small = ["--data.init_args.demo_size=200", "--trainer.limit_val_batches=1", "--model.generate_every_n_val_epochs=0"]
+    main(["fit", *common, *small, f"--model.init_from={path}", "--trainer.max_epochs=2", "--model.max_new_tokens=11"])
+    checkpoint = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    assert checkpoint["hyper_parameters"]["init_from"] is None
+    assert checkpoint["hyper_parameters"]["transformer"]["position_offset"] == 2
+    main(["test", *common, *small])
+    model = torch_handle.load(run)
+    assert model.tokenizer.specials == pretrained_tokenizer(path).specials
+    texts = model.translate(TEXTS, num_beams=4, max_new_tokens=11)
+    export_main([str(run / "checkpoints" / "last.ckpt"), str(tmp_path / "hf"), "--format", "hf"])  # and back
+    back = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "hf").eval()
+    back_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    out = back.generate(**back_tok(TEXTS, return_tensors="pt", padding=True), num_beams=4, max_length=12)
+    assert texts == [text.strip() for text in back_tok.batch_decode(out, skip_special_tokens=True)]
+
+
+def test_ctranslate2_export_names_an_imported_option() -> None:
+    from torch_handle.ctranslate2 import unsupported
+
+    config = TransformerConfig(norm_first=True, layernorm_embedding=True)
+    assert unsupported(config) == (
+        "layernorm_embedding=True: this export writes torch-handle's own architecture; convert an imported Hugging "
+        "Face model from its folder with CTranslate2's ct2-transformers-converter"
+    )
+    assert unsupported(TransformerConfig(norm_first=True)) is None
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_hf_export_round_trips_through_transformers(family: str, tmp_path: Path) -> None:
+    # --format hf: transformers loads what we write, its tokenizer encodes as ours, and its generate (with the
+    # generation config written beside) equals the original's, so ours too (test_generate_matches_transformers).
+    path, hf, tok = _save(family, "safetensors", tmp_path / "in")
+    write_hf(*load_pretrained(path), tmp_path / "out")
+    back = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "out").eval()
+    back_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    batch = tok(TEXTS, return_tensors="pt", padding=True)
+    assert torch.equal(back_tok(TEXTS, return_tensors="pt", padding=True)["input_ids"], batch["input_ids"])
+    for num_beams in (1, 4):
+        assert torch.equal(back.generate(**batch, num_beams=num_beams), hf.generate(**batch, num_beams=num_beams))
+
+
+def test_hf_export_names_the_obstacle(tmp_path: Path) -> None:
+    sizes = {"d_model": 32, "num_heads": 4, "d_ff": 64, "num_encoder_layers": 1, "num_decoder_layers": 1}
+    model = Transformer(TransformerConfig(**sizes, tie_embeddings=True))  # our own architecture
+    expected = "sinusoid_layout='interleaved': no Hugging Face family expresses it (the nearest, marian, needs "
+    with pytest.raises(ExportError, match=re.escape(expected + "sinusoid_layout='halves')")):
+        write_hf(model, None, None, tmp_path)  # type: ignore[arg-type] - refused before either is read

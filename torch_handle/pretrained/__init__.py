@@ -1,0 +1,90 @@
+"""Hugging Face encoder-decoders as our one :class:`~torch_handle.model.Transformer`: a folder that
+``save_pretrained`` wrote becomes a model, its tokenizer and its decoding defaults, without ``transformers``.
+
+Each family is a function from ``config.json`` and ``generation_config.json`` to a ``TransformerConfig``; the tensors
+of every family here share one layout (:mod:`torch_handle.pretrained.layout`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from torch_handle.checkpoints import CheckpointError
+from torch_handle.data.tokenizer import Specials, Tokenizer
+from torch_handle.export import Decoding
+from torch_handle.model import Transformer
+from torch_handle.model.config import ConfigError, TransformerConfig
+from torch_handle.pretrained import bart, marian
+from torch_handle.pretrained.layout import fill
+from torch_handle.pretrained.reader import (
+    CONFIG,
+    GENERATION,
+    is_pretrained_folder,
+    read_json,
+    read_tokenizer,
+    read_weights,
+)
+
+__all__ = ["FAMILIES", "fill", "is_pretrained_folder", "load_pretrained", "pretrained_config", "pretrained_tokenizer"]
+
+log = logging.getLogger(__name__)
+
+FAMILIES: dict[str, Callable[[dict[str, Any], dict[str, Any]], TransformerConfig]] = {
+    "bart": bart.config,
+    "mbart": bart.config,
+    "marian": marian.config,
+    "pegasus": marian.config,
+}
+_TASKS = {"marian": "translation"}  # what ``Model.summarize``'s long-document path and ``test`` assume
+
+
+def pretrained_config(folder: Path) -> tuple[TransformerConfig, Decoding, dict[str, Any]]:
+    """The folder's model config, its decoding defaults, and its generation config as read."""
+    hf = read_json(folder / CONFIG)
+    generation = read_json(folder / GENERATION, required=False)
+    family = FAMILIES.get(hf.get("model_type", ""))
+    if family is None:
+        raise CheckpointError(
+            f"{folder}: model_type {hf.get('model_type')!r} is not supported; supported: {', '.join(sorted(FAMILIES))}"
+        )
+    try:
+        config = family(hf, generation)
+    except (ConfigError, KeyError, TypeError) as err:
+        reason = f"config.json lacks {err}" if isinstance(err, KeyError) else str(err)
+        raise CheckpointError(f"{folder}: {reason}") from None
+    if generation.get("no_repeat_ngram_size"):
+        log.warning("%s: no_repeat_ngram_size=%s is not applied", folder, generation["no_repeat_ngram_size"])
+    max_length = generation.get("max_length", 20)  # transformers' default; it counts the decoder's start token
+    decoding = Decoding(
+        task=_TASKS.get(hf["model_type"], "summarization"),
+        max_source_tokens=config.max_len,
+        num_beams=generation.get("num_beams", 1),
+        max_new_tokens=min(max_length, config.max_len) - 1,
+        length_penalty=generation.get("length_penalty", 1.0),
+    )
+    return config, decoding, generation
+
+
+def load_pretrained(folder: str | Path, attention_backend: str = "auto") -> tuple[Transformer, Tokenizer, Decoding]:
+    """The model of a Hugging Face folder with its weights, its tokenizer and its decoding defaults.
+
+    Raises:
+        CheckpointError: an unsupported ``model_type``, a tensor whose shape does not fit, a missing file; the
+            message names it.
+    """
+    folder = Path(folder)
+    config, decoding, _ = pretrained_config(folder)
+    tokenizer = read_tokenizer(folder, Specials(config.pad_id, config.bos_id, config.eos_id))
+    model = Transformer(dataclasses.replace(config, attention_backend=attention_backend))
+    fill(model, read_weights(folder), str(folder))
+    return model, tokenizer, decoding
+
+
+def pretrained_tokenizer(folder: Path) -> Tokenizer:
+    """The folder's tokenizer, with the special tokens of its model (the decoder's start token among them)."""
+    config, _, _ = pretrained_config(folder)
+    return read_tokenizer(folder, Specials(config.pad_id, config.bos_id, config.eos_id))

@@ -1,0 +1,114 @@
+"""Reading a Hugging Face model folder without ``transformers``: its JSON files, weights and tokenizer.
+
+Weights come one file (shard) at a time, so that importing peaks near the model's own size. ``pytorch_model.bin`` is
+a pickle: it is opened only when its first bytes are a ``torch.save`` zip archive, and then only by torch's
+weights-only unpickler, which rebuilds tensors and nothing that runs code.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from tokenizers import Tokenizer as _HFTokenizer
+from torch import Tensor
+
+from torch_handle.data.tokenizer import Specials, Tokenizer
+from torch_handle.errors import CheckpointError
+from torch_handle.unpickling import ARCHIVE_MAGIC, archive_pickles, check_globals, head
+
+CONFIG = "config.json"
+GENERATION = "generation_config.json"
+_WEIGHTS = ("model.safetensors", "pytorch_model.bin")  # in order of preference, each alone or sharded
+
+
+def is_pretrained_folder(path: Path) -> bool:
+    """A folder that ``save_pretrained`` wrote: a ``config.json`` beside weights."""
+    return path.is_dir() and (path / CONFIG).is_file() and any(_weight_files(path, name) for name in _WEIGHTS)
+
+
+def read_json(path: Path, required: bool = True) -> dict[str, Any]:
+    """The object in the JSON file ``path``; an empty one for a missing optional file."""
+    if not path.is_file():
+        if required:
+            raise CheckpointError(f"{path} is missing: pass a folder written by save_pretrained")
+        return {}
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{path} is not JSON ({err}): pass a folder written by save_pretrained") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path} holds no JSON object: pass a folder written by save_pretrained")
+    return value
+
+
+def _weight_files(folder: Path, name: str) -> list[Path]:
+    """The files of weights ``name``: itself, or the shards its ``.index.json`` lists (each once, in order)."""
+    if (folder / name).is_file():
+        return [folder / name]
+    index = folder / f"{name}.index.json"
+    if not index.is_file():
+        return []
+    weight_map = read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index} has no weight_map: pass a folder written by save_pretrained")
+    return [folder / shard for shard in dict.fromkeys(weight_map.values())]
+
+
+def check_zip(file: Path) -> None:
+    """Refuse ``file`` unless torch.load would read it as a ``torch.save`` archive (its first bytes) whose pickles
+    name only the globals weights-only loading allows: the checks our own checkpoints pass."""
+    if head(file) != ARCHIVE_MAGIC:
+        raise CheckpointError(
+            f"{file} is not a torch.save zip archive: re-save the model with save_pretrained (safetensors)"
+        )
+    for pickled in archive_pickles(file, file, file):
+        check_globals(pickled, file, file)
+
+
+def read_weights(folder: Path) -> Iterator[tuple[str, Tensor]]:
+    """Every tensor of the folder's weights as ``(name, tensor)``, one shard at a time."""
+    for name in _WEIGHTS:
+        files = _weight_files(folder, name)
+        if files:
+            break
+    else:
+        raise CheckpointError(f"{folder} has no model.safetensors or pytorch_model.bin: pass a save_pretrained folder")
+    for file in files:
+        if not file.is_file():
+            raise CheckpointError(f"{file} is listed in the index but missing: download the whole folder")
+        if file.suffix == ".safetensors":
+            with safe_open(file, framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    yield key, f.get_tensor(key)
+            continue
+        check_zip(file)
+        try:
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as err:  # the weights-only unpickler refuses with several exception types
+            raise CheckpointError(f"{file} holds more than tensors ({str(err).splitlines()[0]}): refused") from None
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{file} is not a state dict: pass a folder written by save_pretrained")
+        yield from state.items()
+        del state
+
+
+def read_tokenizer(folder: Path, specials: Specials) -> Tokenizer:
+    """The folder's ``tokenizer.json``, with the model's special tokens and the prefix its post-processor adds."""
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        raise CheckpointError(
+            f"{folder} has no tokenizer.json: save a fast tokenizer there "
+            "(transformers.AutoTokenizer.from_pretrained(FOLDER).save_pretrained(FOLDER))"
+        )
+    try:
+        backend = _HFTokenizer.from_file(str(path))
+    except Exception as err:  # the Rust binding raises a bare Exception
+        raise CheckpointError(f"{path} is not a tokenizer ({str(err).splitlines()[0]})") from None
+    wrapped = backend.encode("", add_special_tokens=True).ids  # e.g. BART's [<s>, </s>], Marian's [</s>]
+    prefix = tuple(wrapped[: wrapped.index(specials.eos_id)] if specials.eos_id in wrapped else wrapped)
+    return Tokenizer(backend, Specials(specials.pad_id, specials.bos_id, specials.eos_id, prefix, prefix))

@@ -1,0 +1,165 @@
+"""Our Transformer back as a Hugging Face folder, for the models whose options a family of
+:mod:`torch_handle.pretrained` expresses: ``transformers.AutoModelForSeq2SeqLM.from_pretrained`` reads it.
+
+The tensor names are the reader's, inverted through the same mapping (:func:`torch_handle.pretrained.layout.hf_names`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import save_file
+
+from torch_handle import export
+from torch_handle.ctranslate2 import ExportError, check_free
+from torch_handle.data.tokenizer import Tokenizer
+from torch_handle.export import Decoding
+from torch_handle.model import Transformer, TransformerConfig
+from torch_handle.pretrained.layout import hf_names, target
+
+# What each family fixes; a model that differs from every family gets the nearest one's first difference named.
+_FAMILIES: dict[str, dict[str, Any]] = {
+    "bart": {"position": "learned", "position_offset": 2, "layernorm_embedding": True, "norm_first": False},
+    "mbart": {"position": "learned", "position_offset": 2, "layernorm_embedding": True, "norm_first": True},
+    "marian": {
+        "position": "sinusoidal",
+        "sinusoid_layout": "halves",
+        "layernorm_embedding": False,
+        "norm_first": False,
+    },
+    "pegasus": {
+        "position": "sinusoidal",
+        "sinusoid_layout": "halves",
+        "layernorm_embedding": False,
+        "norm_first": True,
+    },
+}
+_COMMON = {"final_logits_bias": True, "encoder_attention": "full", "cross_downsample": 1, "layer_norm_eps": 1e-5}
+_ACTIVATIONS = {"gelu": "gelu", "relu": "relu", "silu": "swish"}
+_ARCHITECTURES = {
+    "bart": "BartForConditionalGeneration",
+    "mbart": "MBartForConditionalGeneration",
+    "marian": "MarianMTModel",
+    "pegasus": "PegasusForConditionalGeneration",
+}
+
+
+def hf_family(config: TransformerConfig) -> tuple[str | None, str]:
+    """The Hugging Face ``model_type`` that expresses ``config``; else None and one line naming the obstacle."""
+    if not config.shares_source_embedding:
+        return None, "share_source_embedding=False: the families written here share one source and target embedding"
+    nearest: tuple[int, str, str, Any] | None = None
+    for family, fixed in _FAMILIES.items():
+        wanted = {**fixed, **_COMMON, "final_norm": fixed["norm_first"]}
+        wrong = [(name, value) for name, value in wanted.items() if getattr(config, name) != value]
+        if not wrong:
+            return family, ""
+        if nearest is None or len(wrong) < nearest[0]:
+            nearest = (len(wrong), family, *wrong[0])
+    assert nearest is not None
+    _, family, name, value = nearest
+    return None, (
+        f"{name}={getattr(config, name)!r}: no Hugging Face family expresses it (the nearest, {family}, needs "
+        f"{name}={value!r})"
+    )
+
+
+def _config_json(config: TransformerConfig, family: str) -> dict[str, Any]:
+    learned = config.position == "learned"
+    return {
+        "model_type": family,
+        "architectures": [_ARCHITECTURES[family]],
+        "vocab_size": config.src_vocab_size,
+        **({"decoder_vocab_size": config.tgt_vocab_size} if family == "marian" else {}),
+        "d_model": config.d_model,
+        "encoder_attention_heads": config.num_heads,
+        "decoder_attention_heads": config.num_heads,
+        "encoder_layers": config.num_encoder_layers,
+        "decoder_layers": config.num_decoder_layers,
+        "encoder_ffn_dim": config.d_ff,
+        "decoder_ffn_dim": config.d_ff,
+        "dropout": config.dropout,
+        "attention_dropout": config.attention_p,
+        "activation_dropout": config.activation_p,
+        "activation_function": _ACTIVATIONS[config.activation],
+        "max_position_embeddings": config.max_len,
+        "scale_embedding": config.scale_embeddings,
+        "tie_word_embeddings": config.tie_embeddings,
+        "share_encoder_decoder_embeddings": True,
+        "normalize_before": config.norm_first,
+        "pad_token_id": config.pad_id,
+        "eos_token_id": config.eos_id,
+        "decoder_start_token_id": config.bos_id,
+        "forced_eos_token_id": config.forced_eos_id,
+        "is_encoder_decoder": True,
+        **({"bos_token_id": config.forced_bos_id} if learned and config.forced_bos_id is not None else {}),
+    }
+
+
+def _generation_json(config: TransformerConfig, decoding: Decoding) -> dict[str, Any]:
+    generation = {
+        "decoder_start_token_id": config.bos_id,
+        "eos_token_id": config.eos_id,
+        "pad_token_id": config.pad_id,
+        "forced_bos_token_id": config.forced_bos_id,
+        "forced_eos_token_id": config.forced_eos_id,
+        "num_beams": decoding.num_beams,
+        "max_length": decoding.max_new_tokens + 1,  # transformers counts the decoder's start token
+        "length_penalty": decoding.length_penalty,
+        "early_stopping": True,  # our beam search: a source is done once it holds num_beams hypotheses
+    }
+    if config.suppressed:
+        generation["bad_words_ids"] = [[token] for token in config.suppressed]
+    return {k: v for k, v in generation.items() if v is not None}
+
+
+def write_hf(model: Transformer, tokenizer: Tokenizer, decoding: Decoding, out_dir: str | Path) -> Path:
+    """Write ``model`` with its tokenizer and decoding defaults as the Hugging Face folder ``out_dir``.
+
+    Raises:
+        ExportError: no family expresses the model; the message names the option.
+    """
+    config = model.config
+    family, reason = hf_family(config)
+    if family is None:
+        raise ExportError(reason)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = model.state_dict()
+    tensors = {}
+    for name in hf_names(config):
+        ours, rows = target(name, model)  # type: ignore[misc] - every name written has a place
+        tensor = state[ours] if rows is None else state[ours][rows]
+        tensors[name] = (tensor[None] if name == "final_logits_bias" else tensor).contiguous().clone()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(_config_json(config, family), indent=2))
+    (out / "generation_config.json").write_text(json.dumps(_generation_json(config, decoding), indent=2))
+    tokenizer.backend.save(str(out / "tokenizer.json"))
+    backend = tokenizer.backend
+    names = {"pad_token": backend.id_to_token(config.pad_id), "eos_token": backend.id_to_token(config.eos_id)}
+    if tokenizer.specials.source_prefix:
+        names["bos_token"] = backend.id_to_token(tokenizer.specials.source_prefix[0])
+    unk = getattr(backend.model, "unk_token", None)
+    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", **names, **({"unk_token": unk} if unk else {})}
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    return out
+
+
+def export_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
+    """Write the model of ``checkpoint`` (a ``.ckpt`` file, a checkpoint folder or a ``.safetensors`` export) as the
+    Hugging Face folder ``out_dir``; a model that no family expresses is refused before any weight is read."""
+    check_free(Path(out_dir))
+    if export.is_exported(checkpoint):
+        config, tokenizer = export.exported_metadata(checkpoint)
+        weights, decoding = export.exported_weights(checkpoint), export.exported_decoding(checkpoint, config)
+    else:
+        weights, config, text, decoding = export.read_model(checkpoint)
+        tokenizer = Tokenizer.from_str(text)
+    family, reason = hf_family(config)
+    if family is None:
+        raise ExportError(reason)
+    model = Transformer(config)
+    model.load_state_dict(weights, strict=True)
+    return write_hf(model, tokenizer, decoding, out_dir)
