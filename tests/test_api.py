@@ -25,8 +25,9 @@ from torch_handle.checkpoints import CheckpointError
 from torch_handle.cli import main
 from torch_handle.errors import SetupError
 from torch_handle.export import Decoding, export
-from torch_handle.hierarchical import summarize
+from torch_handle.hierarchical import generate_summaries, summarize
 from torch_handle.model import CompiledDecode
+from torch_handle.model.logits import DecodingControls
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -143,10 +144,28 @@ def test_summarize_goes_hierarchical_on_a_long_document_as_torch_handle_summariz
     assert any(record.getMessage().startswith("level 0:") for record in caplog.records), "not hierarchical"
     # The file holds every setting torch_handle.summarize needs.
     options = model.decoding.summarize_options()
-    assert options == {"max_source_tokens": 64, "overlap": 16, "max_new_tokens": 8, "num_beams": 2, "length_penalty": 1}
+    decoding = {"max_new_tokens": 8, "num_beams": 2, "length_penalty": 1, "controls": DecodingControls()}
+    assert options == {"max_source_tokens": 64, "overlap": 16, **decoding}
     want = [summarize(model.model, model.tokenizer, text, **options) for text in (document, SENTENCES[0])]
     assert summaries == want
     assert model.summarize(document, batch_size=2) == want[0]
+
+
+def test_translate_and_summarize_take_decoding_controls_by_name(exported: Path) -> None:
+    model = torch_handle.load(exported)
+    controls = {"no_repeat_ngram_size": 2, "min_new_tokens": 5}
+    ids = model.tokenizer.encode_batch(SENTENCES)
+    options = {"max_new_tokens": 8, "num_beams": 2, "length_penalty": 1.0, "batch_size": 32}
+    want = generate_summaries(model.model, model.tokenizer, ids, **options, controls=DecodingControls(**controls))
+    assert model.translate(SENTENCES, **controls) == want != model.translate(SENTENCES)
+    assert model.translate(SENTENCES, num_beams=1, do_sample=True, top_k=1) == model.translate(SENTENCES, num_beams=1)
+    document = " ".join(SENTENCES * 8)
+    options = {**model.decoding.summarize_options(), "controls": DecodingControls(**controls), "batch_size": 2}
+    assert model.summarize(document, batch_size=2, **controls) == summarize(
+        model.model, model.tokenizer, document, **options
+    )
+    with pytest.raises(TypeError, match=r"^unknown decoding options \['top_q'\]: the controls are \['do_sample', "):
+        model.translate("a cat", top_q=0.9)
 
 
 def test_translate_cuts_a_text_longer_than_the_model_context_with_a_warning(

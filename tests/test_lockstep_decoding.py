@@ -156,16 +156,31 @@ def _test_outputs(model: Path, test: Path, root: Path, *strategy: str) -> tuple[
     return outputs, long
 
 
+# Sampling with a seed, and the other controls: a document's sample depends on the seed and the document alone, not
+# on the rank or the batch (the one process decodes batches of other sizes below).
+SAMPLING = [
+    "--model.do_sample", "true",
+    "--model.seed", "5",
+    "--model.top_k", "20",
+    "--model.no_repeat_ngram_size", "2",
+    "--model.min_new_tokens", "3",
+    "--model.repetition_penalty", "1.2",
+]  # fmt: skip
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+@pytest.mark.parametrize(
+    ("strategy", "controls"), [("ddp", []), ("zero3", []), ("ddp", SAMPLING)], ids=["ddp", "zero3", "ddp-sampling"]
+)
 def test_mixed_length_summaries_on_two_processes_equal_one_process(
-    strategy: str, summarizer: tuple[Path, Path], tmp_path: Path
+    strategy: str, controls: list[str], summarizer: tuple[Path, Path], tmp_path: Path
 ) -> None:
     model, test = summarizer
-    expected, long = _test_outputs(model, test, tmp_path / "single", "--trainer.devices", "1")
+    batches = ["--data.init_args.max_tokens", "32"] if controls else []  # one long or two short documents a batch
+    expected, long = _test_outputs(model, test, tmp_path / "single", "--trainer.devices", "1", *controls, *batches)
     assert len(expected) == 6 and long == 2, "short and long documents, decoded"
-    outputs, _ = _test_outputs(model, test, tmp_path / strategy, "--config", STRATEGY_CONFIGS[strategy])
+    outputs, _ = _test_outputs(model, test, tmp_path / strategy, "--config", STRATEGY_CONFIGS[strategy], *controls)
     assert outputs == expected
 
 

@@ -157,6 +157,25 @@ def test_generate_matches_transformers(folder: tuple[Path, object, object], num_
     assert texts == [t.strip() for t in tok.batch_decode(expected, skip_special_tokens=True)]
 
 
+@pytest.mark.parametrize("num_beams", [1, 4])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_generation_config_controls_match_transformers(family: str, num_beams: int, tmp_path: Path) -> None:
+    """n-gram blocking, repetition penalty and a minimum length in ``generation_config.json`` become the model's
+    decoding defaults, and decode as ``generate`` does with them."""
+    path, hf, tok = _save(family, "safetensors", tmp_path)
+    controls = {"no_repeat_ngram_size": 2, "repetition_penalty": 1.5, "min_length": 6}
+    hf.generation_config.update(**controls)
+    hf.generation_config.save_pretrained(path)
+    batch = tok(TEXTS, return_tensors="pt", padding=True)
+    expected = hf.generate(**batch, num_beams=num_beams)[:, 1:]
+    plain = hf.generate(**batch, num_beams=num_beams, no_repeat_ngram_size=0, repetition_penalty=1.0, min_length=0)
+    assert tok.batch_decode(expected, skip_special_tokens=True) != tok.batch_decode(plain, skip_special_tokens=True)
+    model = torch_handle.load(path)
+    assert (model.decoding.no_repeat_ngram_size, model.decoding.min_new_tokens) == (2, 5)
+    texts = model.translate(TEXTS, num_beams=num_beams)
+    assert texts == [t.strip() for t in tok.batch_decode(expected, skip_special_tokens=True)]
+
+
 def test_unsupported_model_type_is_one_line(tmp_path: Path) -> None:
     _save("bart", "safetensors", tmp_path)
     config = (tmp_path / "config.json").read_text().replace('"model_type": "bart"', '"model_type": "t5"')

@@ -13,6 +13,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -30,6 +31,7 @@ from torch_handle.export import (
 from torch_handle.hierarchical import generate_summaries, summarize
 from torch_handle.model import CompiledDecode, Transformer, generate
 from torch_handle.model.generation import cpu_decoding_layout
+from torch_handle.model.logits import DecodingControls
 from torch_handle.pretrained import is_pretrained_folder, load_pretrained
 
 log = logging.getLogger(__name__)
@@ -80,6 +82,7 @@ class Model:
         batch_size: int = 32,
         max_new_tokens: int | None = None,
         length_penalty: float | None = None,
+        **controls: Any,
     ) -> str | list[str]:
         """Outputs for ``texts``; a text longer than the model's source length is cut, as ``predict`` does.
 
@@ -89,6 +92,10 @@ class Model:
             batch_size: Texts decoded together, after sorting by length so that little padding is encoded.
             max_new_tokens: Longest output, in tokens.
             length_penalty: Beam-search length normalisation exponent.
+            controls: Decoding controls by name, as ``transformers``' ``generate`` takes them:
+                ``no_repeat_ngram_size``, ``repetition_penalty``, ``min_new_tokens``, ``do_sample``, ``temperature``,
+                ``top_k``, ``top_p``, ``seed`` (:class:`~torch_handle.model.logits.DecodingControls`); the file's
+                for those not given.
 
         Returns:
             One output per text in input order (a string for a string), stripped of surrounding whitespace;
@@ -100,7 +107,8 @@ class Model:
         long = sum(len(row) > limit for row in ids)
         if long:
             log.warning("cut %d of %d texts to %d tokens, the model's max_source_tokens", long, len(ids), limit)
-        out = self._generate([row[:limit] for row in ids], num_beams, batch_size, max_new_tokens, length_penalty)
+        options = self._options(num_beams, max_new_tokens, length_penalty, controls)
+        out = self._generate([row[:limit] for row in ids], options, batch_size)
         return out[0] if single else out
 
     def summarize(
@@ -111,6 +119,7 @@ class Model:
         max_new_tokens: int | None = None,
         length_penalty: float | None = None,
         overlap: int | None = None,
+        **controls: Any,
     ) -> str | list[str]:
         """Summaries of ``documents``; one longer than the model's source length is summarized hierarchically
         (:func:`torch_handle.summarize`: overlapping windows, then their summaries), as ``predict`` does.
@@ -122,6 +131,7 @@ class Model:
             max_new_tokens: Longest summary, in tokens (also of each window's summary).
             length_penalty: Beam-search length normalisation exponent.
             overlap: Tokens shared by neighbouring windows of a long document.
+            controls: Decoding controls by name, as :meth:`translate` takes them; every window's summary uses them.
 
         Returns:
             One summary per document in input order (a string for a string), as :meth:`translate`.
@@ -131,12 +141,13 @@ class Model:
         ids = self.tokenizer.encode_batch(documents) if documents else []
         short = [i for i, row in enumerate(ids) if len(row) <= limit]
         out = [""] * len(ids)
-        summaries = self._generate([ids[i] for i in short], num_beams, batch_size, max_new_tokens, length_penalty)
+        decoding = self._options(num_beams, max_new_tokens, length_penalty, controls)
+        summaries = self._generate([ids[i] for i in short], decoding, batch_size)
         for i, text in zip(short, summaries, strict=True):
             out[i] = text
         options = {
             **self.decoding.summarize_options(),
-            **self._options(num_beams, max_new_tokens, length_penalty),
+            **decoding,
             **({} if overlap is None else {"overlap": overlap}),
         }
         for i in (i for i, row in enumerate(ids) if len(row) > limit):
@@ -151,14 +162,23 @@ class Model:
         return self.decoding.max_source_tokens - 1 - len(self.tokenizer.specials.source_prefix)
 
     def _options(
-        self, num_beams: int | None, max_new_tokens: int | None, length_penalty: float | None
-    ) -> dict[str, int | float]:
-        """The decoding options, the file's defaults for those left as None, checked against the model."""
+        self,
+        num_beams: int | None,
+        max_new_tokens: int | None,
+        length_penalty: float | None,
+        controls: dict[str, Any],
+    ) -> dict[str, Any]:
+        """The decoding options, the file's defaults for those left as None or not given, checked against the model."""
         d = self.decoding
+        names = {f.name for f in dataclasses.fields(DecodingControls)}
+        unknown = sorted(set(controls) - names)
+        if unknown:
+            raise TypeError(f"unknown decoding options {unknown}: the controls are {sorted(names)}")
         options = {
             "num_beams": d.num_beams if num_beams is None else num_beams,
             "max_new_tokens": d.max_new_tokens if max_new_tokens is None else max_new_tokens,
             "length_penalty": d.length_penalty if length_penalty is None else length_penalty,
+            "controls": dataclasses.replace(d.controls(), **controls),
         }
         context = self.model.config.context_length
         if context is not None and options["max_new_tokens"] + 1 > context:
@@ -168,17 +188,9 @@ class Model:
             )
         return options
 
-    def _generate(
-        self,
-        sources: list[list[int]],
-        num_beams: int | None,
-        batch_size: int,
-        max_new_tokens: int | None,
-        length_penalty: float | None,
-    ) -> list[str]:
+    def _generate(self, sources: list[list[int]], options: dict[str, Any], batch_size: int) -> list[str]:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        options = self._options(num_beams, max_new_tokens, length_penalty)
         if not sources:
             return []
         generate_fn = self._generate_fn(options, pad_to=batch_size if len(sources) > batch_size else None)
@@ -187,7 +199,7 @@ class Model:
         )
 
     def _generate_fn(
-        self, options: dict[str, int | float], pad_to: int | None
+        self, options: dict[str, Any], pad_to: int | None
     ) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """``generate`` with the compiled step (``compile=True``); None: the default.
 
@@ -198,12 +210,14 @@ class Model:
             return None
         decode, max_new_tokens = self._decode, int(options["max_new_tokens"])
         num_beams, length_penalty = int(options["num_beams"]), float(options["length_penalty"])
+        controls = options["controls"]
 
         def generate_fn(src: torch.Tensor) -> torch.Tensor:
             rows = src.shape[0]
             if pad_to is not None and rows < pad_to:
                 src = torch.cat([src, src[-1:].expand(pad_to - rows, -1)])
-            return generate(self.model, src, max_new_tokens, num_beams, length_penalty, decode=decode)[:rows]
+            out = generate(self.model, src, max_new_tokens, num_beams, length_penalty, decode=decode, controls=controls)
+            return out[:rows]
 
         return generate_fn
 

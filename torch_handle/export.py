@@ -44,6 +44,7 @@ from torch_handle.commands import typed_command
 from torch_handle.ctranslate2 import ExportError, check_free, unsupported, vocabulary, write_model
 from torch_handle.data.tokenizer import Tokenizer
 from torch_handle.model import ConfigError, Transformer, TransformerConfig
+from torch_handle.model.logits import DecodingControls
 from torch_handle.unpickling import unpickling_only_data
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ DEFAULT_MAX_SOURCE_TOKENS = {"translation": 256, "summarization": 32768}
 
 
 @dataclass(frozen=True)
-class Decoding:
+class Decoding(DecodingControls):
     """How the model decodes by default: ``Seq2SeqModule``'s decoding options and the data's source length.
 
     Defaults are ``Seq2SeqModule``'s, used for what a checkpoint or an older export does not record.
@@ -71,6 +72,9 @@ class Decoding:
         length_penalty: Beam-search length normalisation exponent.
         chunk_overlap: Tokens shared by neighbouring windows of a hierarchically summarized document.
         lead_words: Words of the Lead baseline that summarization ``test`` scores beside the model.
+
+    It holds the decoding controls too (``no_repeat_ngram_size``, ..., ``seed``: the fields of
+    :class:`~torch_handle.model.logits.DecodingControls`, which it extends).
     """
 
     task: Literal["translation", "summarization"] = "translation"
@@ -95,7 +99,11 @@ class Decoding:
             fields["max_new_tokens"] = min(cls.max_new_tokens, context - 1)  # <bos> takes a position
         return cls(**fields)
 
-    def summarize_options(self) -> dict[str, int | float]:
+    def controls(self) -> DecodingControls:
+        """The decoding controls among these settings."""
+        return DecodingControls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(DecodingControls)})
+
+    def summarize_options(self) -> dict[str, Any]:
         """The keyword arguments of :func:`torch_handle.summarize` for this model:
         ``summarize(model, tokenizer, document, **decoding.summarize_options())``."""
         return {
@@ -104,6 +112,7 @@ class Decoding:
             "max_new_tokens": self.max_new_tokens,
             "num_beams": self.num_beams,
             "length_penalty": self.length_penalty,
+            "controls": self.controls(),
         }
 
 

@@ -15,6 +15,7 @@ from torch import Tensor
 from torch_handle.data.batching import Collator, Example
 from torch_handle.data.tokenizer import Tokenizer
 from torch_handle.model import Transformer, generate
+from torch_handle.model.logits import DecodingControls
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ def generate_summaries(
     num_beams: int,
     length_penalty: float,
     batch_size: int,
+    controls: DecodingControls | None = None,
     generate_fn: Callable[[Tensor], Tensor] | None = None,
 ) -> list[str]:
     """One summary per token list, decoded in batches of ``batch_size`` sources of similar length.
@@ -65,6 +67,7 @@ def generate_summaries(
         num_beams: Beam width (1 = greedy).
         length_penalty: Beam-search length normalisation exponent.
         batch_size: Sources decoded together; sorted by length first so little padding is encoded.
+        controls: N-gram blocking, repetition penalty, a minimum length and sampling (none by default).
         generate_fn: Decodes a ``(b, S)`` batch as ``generate`` with the settings above would; the
             LightningModule passes one that keeps processes in lockstep. None calls ``generate``.
     """
@@ -82,7 +85,9 @@ def generate_summaries(
             src = collate([Example(sources[i], "") for i in rows])["src"].to(device)  # (b, S)
             if generate_fn is None:
                 # this process alone decodes a plain module: its steps can replay as CUDA graphs
-                ids = generate(model, src, max_new_tokens, num_beams, length_penalty, cuda_graph=src.is_cuda)
+                ids = generate(
+                    model, src, max_new_tokens, num_beams, length_penalty, cuda_graph=src.is_cuda, controls=controls
+                )
             else:
                 ids = generate_fn(src)
             for i, text in zip(rows, tokenizer.decode_batch(ids.tolist()), strict=True):
@@ -104,6 +109,7 @@ def summarize(
     length_penalty: float = 1.0,
     batch_size: int = 4,
     max_levels: int = 4,
+    controls: DecodingControls | None = None,
     generate_fn: Callable[[Tensor], Tensor] | None = None,
 ) -> str:
     """Summarize ``document`` of any length with a model whose context is ``max_source_tokens``.
@@ -126,6 +132,7 @@ def summarize(
         length_penalty: Beam-search length normalisation exponent.
         batch_size: Windows decoded together.
         max_levels: Most window-then-join levels before the final summary.
+        controls: N-gram blocking, repetition penalty, a minimum length and sampling, for every window and level.
         generate_fn: Replaces each ``generate`` call (see :func:`generate_summaries`), e.g. to keep the
             collectives of several processes in step while each summarizes its own documents.
 
@@ -141,6 +148,7 @@ def summarize(
         "num_beams": num_beams,
         "length_penalty": length_penalty,
         "batch_size": batch_size,
+        "controls": controls,
         "generate_fn": generate_fn,
     }
     ids = tokenizer.encode(document)

@@ -8,6 +8,7 @@ how the weights are run (:data:`RUNTIME`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import yaml
 
 from torch_handle.checkpoints import CheckpointError
+from torch_handle.model.logits import DecodingControls
 
 RUNTIME = frozenset(
     {
@@ -27,6 +29,7 @@ RUNTIME = frozenset(
         "chunk_overlap",
         "transformer.attention_backend",
         "transformer.activation_checkpointing",
+        *(field.name for field in dataclasses.fields(DecodingControls)),
     }
 )
 """``model`` options that change how the checkpoint's weights are run, not the weights: the user's win."""
@@ -90,8 +93,6 @@ def merge_checkpoint_options(
         if key in LINKED or key not in current:
             continue
         if key in RUNTIME:
-            if key in typed or key in in_configs:
-                merged[key] = current[key]
             continue
         sequences = isinstance(value, list | tuple) and isinstance(current[key], list | tuple)
         if current[key] == value or (sequences and list(current[key]) == list(value)):
@@ -103,6 +104,8 @@ def merge_checkpoint_options(
             )
         if key in in_configs:
             notes.append(f"{key}={value} (config: {current[key]})")
+    # The user's runtime options, also those a checkpoint older than the option does not hold.
+    merged.update({key: current[key] for key in RUNTIME & (typed | in_configs) if key in current})
     nested: dict[str, Any] = {}
     for key, value in merged.items():
         *parents, leaf = key.split(".")

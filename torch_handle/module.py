@@ -39,6 +39,7 @@ from torch_handle.metrics import (
     rouge_line,
 )
 from torch_handle.model import ConfigError, Transformer, TransformerConfig, generate
+from torch_handle.model.logits import DecodingControls
 from torch_handle.optim import parameter_groups, warmup_cosine
 from torch_handle.parallel import (
     CONTEXT_PARALLEL,
@@ -103,6 +104,16 @@ class Seq2SeqModule(L.LightningModule):
         num_beams: Beam width when decoding in validation, test and predict.
         length_penalty: Beam-search length normalisation exponent.
         max_new_tokens: Longest generated output.
+        no_repeat_ngram_size: No n-gram of this many tokens appears twice in an output (0 = off); decoding controls
+            act as ``transformers``' ``generate`` options of the same names (:mod:`torch_handle.model.logits`).
+        repetition_penalty: Divides the scores of tokens already in the output (multiplies negative ones); 1 = off.
+        min_new_tokens: EOS is ruled out until the output holds this many tokens.
+        do_sample: Draw each token (greedy) or each step's candidates (beam search) from the scores.
+        temperature: Sampling divides the scores by it (1 = off).
+        top_k: Sampling keeps the ``top_k`` best tokens only (0 = off).
+        top_p: Sampling keeps the fewest best tokens whose probabilities add up to ``top_p`` (1 = off).
+        seed: Makes sampling repeatable: a source gets the same output with the same seed on any number of
+            processes and in any batch. None: each decoding call draws a seed from torch's generator.
         generate_every_n_val_epochs: Decode (and compute BLEU/ROUGE) in validation only every n epochs;
             0 never decodes in validation. Test always decodes.
         lead_words: Summarization ``test`` also scores the Lead baseline, the document's first
@@ -140,6 +151,14 @@ class Seq2SeqModule(L.LightningModule):
         num_beams: int = 4,
         length_penalty: float = 1.0,
         max_new_tokens: int = 128,
+        no_repeat_ngram_size: int = 0,
+        repetition_penalty: float = 1.0,
+        min_new_tokens: int = 0,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
         generate_every_n_val_epochs: int = 1,
         lead_words: int = 100,
         naive_ratio: float | None = None,
@@ -166,6 +185,12 @@ class Seq2SeqModule(L.LightningModule):
         ):
             if not valid:
                 raise ConfigError(f"--model.{name} must be {rule}, got {value}")
+        try:
+            self.controls = DecodingControls(
+                no_repeat_ngram_size, repetition_penalty, min_new_tokens, do_sample, temperature, top_k, top_p, seed
+            )
+        except ValueError as err:
+            raise ConfigError(f"--model.{err}") from err
         # How many processes split a source is the run's layout, never the checkpoint's: not a hyper-parameter.
         self.save_hyperparameters(ignore=["context_parallel", "compile"])
         self.context_parallel = context_parallel
@@ -564,6 +589,7 @@ class Seq2SeqModule(L.LightningModule):
                 max_new_tokens=self.hparams.max_new_tokens,
                 num_beams=self.hparams.num_beams,
                 length_penalty=self.hparams.length_penalty,
+                controls=self.controls,
                 generate_fn=self._generate,
             )
         self._wait_for_other_ranks()
@@ -588,7 +614,10 @@ class Seq2SeqModule(L.LightningModule):
         """
         self._any_rank(True)
         h = self.hparams
-        return generate(self.model, src, h.max_new_tokens, h.num_beams, h.length_penalty, self._all_done(), memory)
+        all_done = self._all_done()
+        return generate(
+            self.model, src, h.max_new_tokens, h.num_beams, h.length_penalty, all_done, memory, controls=self.controls
+        )
 
     def _wait_for_other_ranks(self) -> None:
         """Dummy ``generate`` calls, mirroring the other ranks' real ones, until no rank has one left."""
@@ -597,8 +626,12 @@ class Seq2SeqModule(L.LightningModule):
         all_done = self._all_done()
         dummy = torch.full((1, 1), self.config.eos_id, dtype=torch.long, device=self.device)  # (1, 1)
         h = self.hparams
+
+        def done(_: bool) -> bool:
+            return all_done(True)
+
         while self._any_rank(False):
-            generate(self.model, dummy, h.max_new_tokens, h.num_beams, h.length_penalty, lambda _: all_done(True))
+            generate(self.model, dummy, h.max_new_tokens, h.num_beams, h.length_penalty, done, controls=self.controls)
 
     # --- optimisation -------------------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from torch_handle.model.config import TransformerConfig
 from torch_handle.model.kernels import decoding_kernels
+from torch_handle.model.logits import DecodingControls, StepControls
 from torch_handle.model.transformer import DecoderCache, Transformer
 
 
@@ -188,14 +189,15 @@ def greedy_search(
     memory: Tensor | None = None,
     cuda_graph: bool = False,
     decode: CompiledDecode | None = None,
+    controls: StepControls | None = None,
 ) -> Tensor:
-    """Pick the most likely token at every step; stop once every row has produced EOS.
+    """Pick the most likely token at every step (or draw one, see ``controls``); stop once every row produced EOS.
 
     A row that has produced EOS leaves the batch: the decoder computes only the rows still running.
     ``all_done`` turns this process's "finished" into everyone's (see :func:`generate`); a process done
     before the others keeps stepping its last rows, writing nothing. ``cuda_graph``: decode with a
     :class:`StaticDecoder` instead, where finished rows keep stepping and write nothing; ``decode``: the same, its
-    step compiled (:class:`CompiledDecode`).
+    step compiled (:class:`CompiledDecode`). ``controls`` process each step's logits outside the step, compiled or not.
     """
     c = model.config
     memory = model.encode(src) if memory is None else memory
@@ -205,12 +207,12 @@ def greedy_search(
     if cuda_graph or decode is not None:
         step = StaticDecoder(model, memory, memory_padding, max_new_tokens, graph=cuda_graph, decode=decode)
         handover = None if decode is None else (model, memory, memory_padding)
-        return _static_greedy(step, model.config, max_new_tokens, all_done, handover)
+        return _static_greedy(step, model.config, max_new_tokens, all_done, handover, controls)
     cache = model.new_cache(max_new_tokens)
     out = torch.full((src.shape[0], max_new_tokens), c.pad_id, dtype=torch.long, device=src.device)
     rows = torch.arange(src.shape[0], device=src.device)  # the batch rows still decoding
     token = torch.full((src.shape[0], 1), c.bos_id, dtype=torch.long, device=src.device)
-    return _dynamic_greedy(model, memory, memory_padding, cache, token, rows, out, 0, all_done)
+    return _dynamic_greedy(model, memory, memory_padding, cache, token, rows, out, 0, all_done, controls)
 
 
 def _dynamic_greedy(
@@ -223,12 +225,15 @@ def _dynamic_greedy(
     out: Tensor,
     start: int,
     all_done: Callable[[bool], bool],
+    controls: StepControls | None,
 ) -> Tensor:
     """Greedy steps ``start`` onwards over a dynamic cache, writing the ``rows`` of ``out``: finished rows leave."""
     c = model.config
     done = False
     for step in range(start, out.shape[1]):
         logits = next_token_logits(model.decode(token, memory, memory_padding, cache), c, step, out.shape[1])
+        if controls is not None:
+            logits = controls.greedy(logits, out, rows, step)
         token = logits.max(dim=-1, keepdim=True).indices  # (b, 1); faster than argmax on CPU, same ties
         if not done:
             out[rows, step] = token[:, 0]
@@ -249,6 +254,7 @@ def _static_greedy(
     max_new_tokens: int,
     all_done: Callable[[bool], bool],
     handover: tuple[Transformer, Tensor, Tensor] | None = None,
+    controls: StepControls | None = None,
 ) -> Tensor:
     """Greedy steps over ``step``'s static cache. With ``handover`` (the model, memory and its padding), once half
     the rows have finished the rest go on eagerly over a dynamic cache, where finished rows leave: the compiled step
@@ -257,7 +263,10 @@ def _static_greedy(
     out = torch.full((token.shape[0], max_new_tokens), c.pad_id, dtype=torch.long, device=token.device)
     finished = torch.zeros(token.shape[0], dtype=torch.bool, device=token.device)
     for i in range(max_new_tokens):
-        token = next_token_logits(step(token), c, i, max_new_tokens).max(dim=-1, keepdim=True).indices
+        logits = next_token_logits(step(token), c, i, max_new_tokens)
+        if controls is not None:
+            logits = controls.greedy(logits, out, None, i)
+        token = logits.max(dim=-1, keepdim=True).indices
         out[:, i] = token[:, 0].masked_fill(finished, c.pad_id)
         finished |= token[:, 0] == c.eos_id
         if all_done(bool(finished.all())):
@@ -267,7 +276,7 @@ def _static_greedy(
             rows = (~finished).nonzero().squeeze(1)
             cache = step.cache.dynamic(rows, filled=i + 1)
             return _dynamic_greedy(
-                model, memory[rows], memory_padding[rows], cache, token[rows], rows, out, i + 1, all_done
+                model, memory[rows], memory_padding[rows], cache, token[rows], rows, out, i + 1, all_done, controls
             )
     return out
 
@@ -282,6 +291,7 @@ def beam_search(
     memory: Tensor | None = None,
     decode: CompiledDecode | None = None,
     cuda_graph: bool = False,
+    controls: StepControls | None = None,
 ) -> Tensor:
     """Keep the ``num_beams`` best prefixes per source; a hypothesis scores ``log p / length ** length_penalty``.
 
@@ -291,7 +301,7 @@ def beam_search(
     GPU: steps run that compiled step (:class:`CompiledDecode`), or replay each as a CUDA graph, over a static
     cache reordered in place, where the beams of finished sources keep stepping and are ignored, until half the
     sources have finished; the rest then go on eagerly over a dynamic cache (:meth:`DecoderCache.dynamic`), as
-    greedy decoding does.
+    greedy decoding does. ``controls`` process each step's log-probabilities and draw its candidates when sampling.
     """
     c = model.config
     b, k = src.shape[0], num_beams
@@ -322,9 +332,14 @@ def beam_search(
         else:
             logits = static(tokens[:, -1:].contiguous())  # a fixed stride, or the compiled step recompiles
         logp = torch.log_softmax(next_token_logits(logits, c, step, max_new_tokens), dim=-1)  # (n*K, V)
+        if controls is not None:
+            logp = controls.beam(logp, tokens)
         vocab = logp.shape[-1]
         total = (logp.view(n, k, vocab) + scores[..., None]).view(n, k * vocab)
-        top_scores, top_ids = total.topk(2 * k, dim=-1)  # (n, 2K)
+        if controls is None:
+            top_scores, top_ids = total.topk(2 * k, dim=-1)  # (n, 2K)
+        else:
+            top_scores, top_ids = controls.candidates(total, 2 * k, step, active)
         top_beams, top_tokens = (top_ids // vocab).tolist(), (top_ids % vocab).tolist()
         top_scores_list = top_scores.tolist()
         # Python lists while choosing: a tensor element write per candidate costs more than the step's attention.
@@ -399,6 +414,7 @@ def generate(
     memory: Tensor | None = None,
     cuda_graph: bool = False,
     decode: CompiledDecode | None = None,
+    controls: DecodingControls | None = None,
 ) -> Tensor:
     """Generated ids ``(B, L)`` without BOS, ``pad_id`` after EOS.
 
@@ -410,14 +426,19 @@ def generate(
     ``cuda_graph``: greedy decoding and beam search replay each step as a CUDA graph (:class:`StaticDecoder`); only
     where the model is a plain module (no sharded parameters gathered in its forward pass). ``decode``:
     greedy decoding and beam search run that compiled step instead (a :class:`CompiledDecode` of ``model``, for CPU
-    inference).
+    inference). ``controls``: n-gram blocking, repetition penalty, a minimum length and sampling, as ``transformers``
+    applies them (:mod:`torch_handle.model.logits`), on every path; none set costs a step nothing.
     Attention runs on SDPA's kernels other than cuDNN's (:func:`~torch_handle.model.kernels.decoding_kernels`).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if num_beams < 1:
         raise ValueError(f"num_beams must be >= 1, got {num_beams}")
+    c = model.config
+    step = None if controls is None else controls.bind(src, c.pad_id, c.bos_id, c.eos_id)
     with decoding_kernels():
         if num_beams == 1:
-            return greedy_search(model, src, max_new_tokens, all_done, memory, cuda_graph, decode)
-        return beam_search(model, src, max_new_tokens, num_beams, length_penalty, all_done, memory, decode, cuda_graph)
+            return greedy_search(model, src, max_new_tokens, all_done, memory, cuda_graph, decode, step)
+        return beam_search(
+            model, src, max_new_tokens, num_beams, length_penalty, all_done, memory, decode, cuda_graph, step
+        )

@@ -8,7 +8,6 @@ of every family here share one layout (:mod:`torch_handle.pretrained.layout`).
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,6 @@ from torch_handle.pretrained.reader import (
 
 __all__ = ["FAMILIES", "fill", "is_pretrained_folder", "load_pretrained", "pretrained_config", "pretrained_tokenizer"]
 
-log = logging.getLogger(__name__)
 
 FAMILIES: dict[str, Callable[[dict[str, Any], dict[str, Any]], TransformerConfig]] = {
     "bart": bart.config,
@@ -56,8 +54,6 @@ def pretrained_config(folder: Path) -> tuple[TransformerConfig, Decoding, dict[s
     except (ConfigError, KeyError, TypeError) as err:
         reason = f"config.json lacks {err}" if isinstance(err, KeyError) else str(err)
         raise CheckpointError(f"{folder}: {reason}") from None
-    if generation.get("no_repeat_ngram_size"):
-        log.warning("%s: no_repeat_ngram_size=%s is not applied", folder, generation["no_repeat_ngram_size"])
     max_length = generation.get("max_length", 20)  # transformers' default; it counts the decoder's start token
     decoding = Decoding(
         task=_TASKS.get(hf["model_type"], "summarization"),
@@ -65,8 +61,27 @@ def pretrained_config(folder: Path) -> tuple[TransformerConfig, Decoding, dict[s
         num_beams=generation.get("num_beams", 1),
         max_new_tokens=min(max_length, config.max_len) - 1,
         length_penalty=generation.get("length_penalty", 1.0),
+        **generation_controls(generation),
     )
     return config, decoding, generation
+
+
+def generation_controls(generation: dict[str, Any]) -> dict[str, Any]:
+    """The decoding controls a ``generation_config.json`` sets, with transformers' defaults where it is silent
+    (``top_k`` 50 when sampling); ``min_length`` counts the decoder's start token, ``min_new_tokens`` does not."""
+    controls = {
+        "no_repeat_ngram_size": generation.get("no_repeat_ngram_size") or 0,
+        "repetition_penalty": generation.get("repetition_penalty") or 1.0,
+        "min_new_tokens": generation.get("min_new_tokens") or max(0, (generation.get("min_length") or 0) - 1),
+    }
+    if generation.get("do_sample"):
+        controls |= {
+            "do_sample": True,
+            "temperature": generation.get("temperature") or 1.0,
+            "top_k": generation.get("top_k", 50) or 0,
+            "top_p": generation.get("top_p") or 1.0,
+        }
+    return controls
 
 
 def load_pretrained(folder: str | Path, attention_backend: str = "auto") -> tuple[Transformer, Tokenizer, Decoding]:

@@ -1,0 +1,281 @@
+"""Decoding controls (:mod:`torch_handle.model.logits`): each equals ``transformers``' logits processor, and our
+decoding with them equals ``generate`` of ``transformers`` over the same model, greedy and beam, on every path."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+from transformers import GenerationConfig, GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
+
+from torch_handle.model import CompiledDecode, ConfigError, Transformer, TransformerConfig, generate
+from torch_handle.model.logits import DecodingControls, process_scores
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+VOCAB, BOS, EOS, PAD = 24, 1, 2, 0
+CONFIG = TransformerConfig(
+    src_vocab_size=VOCAB, tgt_vocab_size=VOCAB, d_model=32, num_heads=2, num_encoder_layers=1, num_decoder_layers=2,
+    d_ff=64, dropout=0.0, max_len=64,
+)  # fmt: skip
+# Each control alone, and all together; the ones that draw nothing also decode end to end against generate().
+CONTROLS = {
+    "no_repeat_ngram_size=1": DecodingControls(no_repeat_ngram_size=1),
+    "no_repeat_ngram_size=2": DecodingControls(no_repeat_ngram_size=2),
+    "no_repeat_ngram_size=3": DecodingControls(no_repeat_ngram_size=3),
+    "repetition_penalty=1.6": DecodingControls(repetition_penalty=1.6),
+    "repetition_penalty=0.7": DecodingControls(repetition_penalty=0.7),
+    "min_new_tokens=6": DecodingControls(min_new_tokens=6),
+    "deterministic, all": DecodingControls(no_repeat_ngram_size=2, repetition_penalty=1.3, min_new_tokens=5),
+    "temperature=0.6": DecodingControls(do_sample=True, temperature=0.6),
+    "top_k=4": DecodingControls(do_sample=True, top_k=4),
+    "top_p=0.7": DecodingControls(do_sample=True, top_p=0.7),
+    "sampling, all": DecodingControls(
+        no_repeat_ngram_size=2,
+        repetition_penalty=1.3,
+        min_new_tokens=3,
+        do_sample=True,
+        temperature=0.8,
+        top_k=9,
+        top_p=0.85,
+    ),  # fmt: skip
+}
+DETERMINISTIC = [name for name, controls in CONTROLS.items() if not controls.do_sample]
+
+
+class _Wrapped(PreTrainedModel, GenerationMixin):
+    """Our Transformer behind ``transformers``' generation API, recomputing the whole prefix at every step (no cache),
+    with padding and BOS ruled out as our decoding rules them out: ``generate`` then runs its own loops and
+    processors over our model's scores."""
+
+    config_class = PretrainedConfig
+
+    def __init__(self, model: Transformer) -> None:
+        c = model.config
+        ids = {"pad_token_id": c.pad_id, "bos_token_id": c.bos_id, "eos_token_id": c.eos_id}
+        super().__init__(PretrainedConfig(is_encoder_decoder=True, decoder_start_token_id=c.bos_id, **ids))
+        self.ours = model
+
+    def get_encoder(self) -> nn.Module:
+        ours = self.ours
+
+        class Encoder(nn.Module):
+            main_input_name = "input_ids"
+
+            def forward(self, input_ids: Tensor, **kwargs: Any) -> BaseModelOutput:
+                return BaseModelOutput(last_hidden_state=ours.encode(input_ids))
+
+        return Encoder()
+
+    def forward(self, decoder_input_ids: Tensor, encoder_outputs: Any, attention_mask: Tensor, **kwargs: Any) -> Any:
+        logits = self.ours.decode(decoder_input_ids, encoder_outputs[0], attention_mask == 0).float()
+        logits[..., [self.config.pad_token_id, self.config.decoder_start_token_id]] = float("-inf")
+        return Seq2SeqLMOutput(logits=logits)
+
+    def prepare_inputs_for_generation(self, decoder_input_ids: Tensor, **kwargs: Any) -> dict[str, Any]:
+        return {
+            "decoder_input_ids": decoder_input_ids,
+            **{k: kwargs.get(k) for k in ("encoder_outputs", "attention_mask")},
+        }
+
+
+def _model(seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    model = Transformer(CONFIG).eval()
+    with torch.no_grad():
+        # EOS scored as the token this random model repeats most: outputs of a few tokens to the whole limit.
+        model.lm_head.weight[EOS] = model.lm_head.weight[11] + 0.5 * model.lm_head.weight[EOS]
+    return model
+
+
+def _sources(rows: int = 4, seed: int = 3) -> Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    src = torch.randint(3, VOCAB, (rows, 9), generator=generator)
+    src[1, 6:] = PAD  # padding, a row shorter than the rest
+    return src
+
+
+def _generate_config(controls: DecodingControls, beams: int, new_tokens: int) -> GenerationConfig:
+    fields = {k: v for k, v in dataclasses.asdict(controls).items() if k != "seed"}
+    return GenerationConfig(
+        max_new_tokens=new_tokens, num_beams=beams, early_stopping=True, length_penalty=1.0, use_cache=False,
+        pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS, decoder_start_token_id=BOS, **fields,
+    )  # fmt: skip
+
+
+def _theirs(
+    model: Transformer, src: Tensor, controls: DecodingControls, beams: int, new_tokens: int
+) -> list[list[int]]:
+    wrapped = _Wrapped(model).eval()
+    config = _generate_config(controls, beams, new_tokens)
+    out = wrapped.generate(src, attention_mask=(src != PAD).long(), generation_config=config)
+    return [_until_eos(row[1:]) for row in out.tolist()]
+
+
+def _until_eos(row: list[int]) -> list[int]:
+    return row[: row.index(EOS) + 1] if EOS in row else row
+
+
+def _ours(model: Transformer, src: Tensor, controls: DecodingControls | None, beams: int, **kwargs: Any) -> list:
+    return [_until_eos(row) for row in generate(model, src, 14, beams, controls=controls, **kwargs).tolist()]
+
+
+@pytest.mark.parametrize("beams", [False, True], ids=["greedy", "beam"])
+@pytest.mark.parametrize("name", list(CONTROLS))
+def test_each_control_equals_the_transformers_logits_processor(name: str, beams: bool) -> None:
+    """Random decoder inputs (few distinct tokens, so n-grams repeat) and scores, at lengths before and after the
+    minimum; beam search's scores are log-probabilities, where sampling keeps two tokens. The reference is the list
+    ``generate`` itself builds for these options."""
+    controls = CONTROLS[name]
+    wrapped = _Wrapped(_model())
+    config = _generate_config(controls, 3 if beams else 1, 16)
+    wrapped._prepare_special_tokens(config, kwargs_has_attention_mask=True, device="cpu")
+    processors = wrapped._get_logits_processor(config, input_ids_seq_length=1, device="cpu", model_kwargs={})
+    c = controls
+    assert len(processors) == sum(
+        (c.no_repeat_ngram_size > 0, c.repetition_penalty != 1, c.min_new_tokens > 0)
+        + (c.temperature != 1, c.top_k > 0, c.top_p < 1)
+    )  # one per control set
+    generator = torch.Generator().manual_seed(7)
+    for length in (1, 2, 4, 7, 12):
+        tokens = torch.randint(3, 8, (6, length), generator=generator)
+        tokens[:, 0] = BOS
+        scores = torch.randn(6, VOCAB, generator=generator) * 3
+        if beams:
+            scores = scores.log_softmax(dim=-1)
+        expected = processors(tokens, scores.clone())
+        torch.testing.assert_close(process_scores(controls, tokens, scores, EOS, beams), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("path", ["cached", "static"])
+@pytest.mark.parametrize("beams", [1, 3])
+@pytest.mark.parametrize("name", DETERMINISTIC)
+def test_decoding_with_each_control_equals_transformers_generate(name: str, beams: int, path: str) -> None:
+    """Our greedy decoding and beam search (over a dynamic cache, or a static one, whose steps a CUDA graph replays on
+    a GPU) with a control equal ``generate`` with the same option, token for token; and the control changes them."""
+    model, src, controls = _model(), _sources(rows=6), CONTROLS[name]
+    ours = _ours(model, src, controls, beams, cuda_graph=path == "static")
+    assert ours == _theirs(model, src, controls, beams, 14)
+    assert ours != _ours(model, src, None, beams)
+
+
+@pytest.mark.parametrize("beams", [1, 3])
+def test_without_controls_decoding_equals_generate(beams: int) -> None:
+    model, src = _model(), _sources()
+    assert _ours(model, src, None, beams) == _theirs(model, src, DecodingControls(), beams, 14)
+
+
+def test_top_k_1_sampling_equals_greedy_decoding() -> None:
+    model, src = _model(), _sources()
+    greedy = _ours(model, src, None, 1)
+    for seed in range(3):
+        assert _ours(model, src, DecodingControls(do_sample=True, top_k=1, seed=seed), 1) == greedy
+    controls = DecodingControls(do_sample=True, top_k=1, no_repeat_ngram_size=2, min_new_tokens=4)
+    assert _ours(model, src, controls, 1) == _theirs(model, src, controls, 1, 14)
+
+
+@pytest.mark.parametrize("beams", [1, 3])
+def test_a_seed_repeats_a_sample_in_any_batch_and_other_seeds_differ(beams: int) -> None:
+    """A source's sample depends on the seed and the source alone, not on the rows decoded beside it or its padding:
+    what makes sampling repeatable on any number of processes, each decoding its own rows."""
+    model, src = _model(), _sources(rows=6)
+    controls = DecodingControls(do_sample=True, temperature=1.5, seed=11)
+    first = _ours(model, src, controls, beams)
+    assert _ours(model, src, controls, beams) == first
+    for rows in ([0], [1], [5, 2], [3, 4, 1]):
+        width = int((src[rows] != PAD).sum(dim=1).max())
+        assert _ours(model, src[rows, :width], controls, beams) == [first[i] for i in rows], rows
+    others = [_ours(model, src, dataclasses.replace(controls, seed=seed), beams) for seed in (12, 13)]
+    assert first not in others and others[0] != others[1]
+    assert _ours(model, src, dataclasses.replace(controls, seed=None), beams) != first
+
+
+def test_sampling_draws_each_token_with_its_probability() -> None:
+    """Gumbel noise hashed from the source, step and candidate: over many sources, the share of each token drawn is
+    its softmax probability after the temperature and top-k."""
+    controls = DecodingControls(do_sample=True, temperature=2.0, top_k=4, seed=5)
+    src = torch.arange(20_000)[:, None] + 3  # one source per draw
+    step = controls.bind(src, PAD, BOS, EOS)
+    assert step is not None
+    logits = torch.tensor([[-1.0, 0.0, 0.5, 1.0, 2.0, -3.0]]).expand(len(src), -1)
+    drawn = step.greedy(logits, torch.zeros(len(src), 4, dtype=torch.long), None, 3).argmax(dim=-1)
+    shares = torch.bincount(drawn, minlength=6).double() / len(src)
+    kept = (torch.tensor([0.0, 0.5, 1.0, 2.0]) / 2).softmax(dim=0)  # the top 4, over the temperature
+    expected = torch.cat([torch.zeros(1), kept, torch.zeros(1)])
+    torch.testing.assert_close(shares, expected.double(), atol=0.015, rtol=0)
+
+
+@pytest.mark.parametrize("beams", [1, 3])
+def test_outputs_hold_no_repeated_ngram_and_at_least_the_minimum_length(beams: int) -> None:
+    model, src = _model(), _sources(rows=6)
+    for seed in range(3):
+        controls = DecodingControls(no_repeat_ngram_size=2, min_new_tokens=8, do_sample=True, seed=seed)
+        for row in _ours(model, src, controls, beams):
+            body = row[:-1] if row[-1] == EOS else row
+            assert len(body) >= 8, row
+            grams = list(zip(body, body[1:], strict=False))
+            assert len(grams) == len(set(grams)), row
+    assert any(len(row) <= 8 for row in _ours(model, src, None, beams)), (
+        "the minimum must matter for this test to check it"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("beams", [1, 3])
+def test_compiled_decoding_with_controls_equals_eager_decoding(beams: int) -> None:
+    """The compiled step (``torch_handle.load(..., compile=True)``) returns the logits; the controls process them
+    outside it, so nothing recompiles for them."""
+    model, src = _model(), _sources()
+    compiled = CompiledDecode(model)
+    for controls in (CONTROLS["deterministic, all"], CONTROLS["sampling, all"]):
+        controls = dataclasses.replace(controls, seed=3) if controls.do_sample else controls
+        assert _ours(model, src, controls, beams, decode=compiled) == _ours(model, src, controls, beams)
+
+
+def test_bad_controls_are_one_line_naming_the_fix() -> None:
+    from torch_handle.module import Seq2SeqModule
+
+    with pytest.raises(ValueError, match=r"^top_k=5 acts only when sampling: pass do_sample=True too$"):
+        DecodingControls(top_k=5)
+    with pytest.raises(ValueError, match=r"^top_p must be in \(0, 1\] \(1 = off\), got 1.5$"):
+        DecodingControls(do_sample=True, top_p=1.5)
+    with pytest.raises(ConfigError, match=r"^--model.no_repeat_ngram_size must be >= 0 \(0 = off\), got -1$"):
+        Seq2SeqModule(no_repeat_ngram_size=-1)
+
+
+def test_the_modules_controls_become_the_checkpoints_decoding_defaults() -> None:
+    """``torch_handle.load`` and exports read a checkpoint's decoding defaults from its hyper-parameters."""
+    from torch_handle.export import Decoding
+    from torch_handle.module import Seq2SeqModule
+
+    chosen = {"no_repeat_ngram_size": 3, "min_new_tokens": 2, "do_sample": True, "top_p": 0.9, "seed": 4}
+    module = Seq2SeqModule(transformer=CONFIG, vocab_size=VOCAB, max_new_tokens=16, **chosen)
+    assert module.controls == DecodingControls(**chosen)
+    assert Decoding.read(dict(module.hparams), module.config).controls() == module.controls
+
+
+def test_help_documents_the_decoding_controls(capsys: pytest.CaptureFixture[str]) -> None:
+    from torch_handle.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["predict", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for name in ("no_repeat_ngram_size", "repetition_penalty", "min_new_tokens", "do_sample", "temperature", "top_k"):
+        assert f"--model.{name}" in text, name
+    assert "No n-gram of this many tokens appears twice in an output" in text
+
+
+def test_controls_typed_for_test_or_predict_override_the_checkpoints() -> None:
+    """``--model.no_repeat_ngram_size 3`` with ``--ckpt_path``: the user's, over a checkpoint that holds another value
+    and over one written before the option existed."""
+    from torch_handle.hparams import merge_checkpoint_options
+
+    parsed = {"num_beams": 4, "no_repeat_ngram_size": 3, "do_sample": False, "transformer": {"d_model": 32}}
+    for saved in ({"num_beams": 2, "no_repeat_ngram_size": 0, "do_sample": False}, {"num_beams": 2}):
+        checkpoint = {**saved, "transformer": {"d_model": 32}}
+        merged, notes = merge_checkpoint_options(checkpoint, parsed, {"no_repeat_ngram_size"}, set(), "last.ckpt")
+        assert merged == {**saved, "no_repeat_ngram_size": 3, "transformer": {"d_model": 32}} and not notes
