@@ -63,21 +63,32 @@ TARGETS = {
     "zero2": [f"{ZERO}/zero_pp_rank_0_mp_rank_00_optim_states.pt", f"{ZERO}/mp_rank_00_model_states.pt"],
     "fsdp": [BYTES_ITEM, "checkpoints/last.ckpt/meta.pt"],
 }
-CASES = [(kind, target, shape) for kind, targets in TARGETS.items() for target in targets for shape in SHAPES]
-CASES.append(("fsdp", METADATA, "pickled_payload"))
+CASES = [
+    pytest.param(kind, target, shape, marks=[] if kind == "ckpt" else [pytest.mark.slow])  # folders: a training run
+    for kind, targets in TARGETS.items()
+    for target in targets
+    for shape in SHAPES
+]
+CASES.append(pytest.param("fsdp", METADATA, "pickled_payload", marks=pytest.mark.slow))
 
 
 @pytest.fixture(scope="module")
-def bases(tiny_demo_run: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def bases(tiny_demo_run: Path, tmp_path_factory: pytest.TempPathFactory) -> _Bases:
     """Run folders of a tiny model as each strategy writes them: a ``.ckpt`` (one device), a ZeRO-2 folder and an
-    FSDP sharded folder (each strategy on one CPU process)."""
-    root = tmp_path_factory.mktemp("bases")
-    runs = {"ckpt": tiny_demo_run}
-    for kind in ("zero2", "fsdp"):
-        runs[kind] = root / kind
+    FSDP sharded folder (each strategy on one CPU process, trained on first use: those cases are ``slow``)."""
+    return _Bases(tiny_demo_run, tmp_path_factory.mktemp("bases"))
+
+
+class _Bases(dict):
+    def __init__(self, ckpt: Path, root: Path) -> None:
+        super().__init__(ckpt=ckpt)
+        self.root = root
+
+    def __missing__(self, kind: str) -> Path:
+        self[kind] = self.root / kind
         config = ["--config", f"configs/{kind}.yaml", "--trainer.devices", "1", "--trainer.max_steps", "2"]
-        check(cli(fit_args(runs[kind], *config)))
-    return runs
+        check(cli(fit_args(self[kind], *config)))
+        return self[kind]
 
 
 def plant(base: Path, target: str, shape: str, tmp_path: Path) -> tuple[Path, Path, Path]:
@@ -149,7 +160,7 @@ ENTRY_POINTS = {"check_checkpoint": _check, "load": _load, "export": _export}
 @pytest.mark.parametrize("entry", ENTRY_POINTS)
 @pytest.mark.parametrize(("kind", "target", "shape"), CASES)
 def test_a_hostile_file_is_refused_in_one_line_and_runs_nothing(
-    bases: dict[str, Path], kind: str, target: str, shape: str, entry: str, tmp_path: Path
+    bases: _Bases, kind: str, target: str, shape: str, entry: str, tmp_path: Path
 ) -> None:
     _, ckpt, marker = plant(bases[kind], target, shape, tmp_path)
     message = ENTRY_POINTS[entry](ckpt, tmp_path)
@@ -160,7 +171,7 @@ def test_a_hostile_file_is_refused_in_one_line_and_runs_nothing(
 
 @pytest.mark.parametrize(("kind", "target", "shape"), CASES)
 def test_the_loader_guard_alone_stops_every_payload(
-    bases: dict[str, Path], kind: str, target: str, shape: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    bases: _Bases, kind: str, target: str, shape: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With :func:`check_checkpoint` switched off, what reaches DeepSpeed's and torch.distributed.checkpoint's
     unpicklers is hostile; they load under ``unpickling_only_data`` and refuse it."""
@@ -204,7 +215,7 @@ COMMANDS = {
 @pytest.mark.parametrize("command", COMMANDS)
 @pytest.mark.parametrize(("kind", "target"), [(kind, targets[0]) for kind, targets in TARGETS.items()])
 def test_every_command_refuses_a_polyglot_in_one_line(
-    bases: dict[str, Path], kind: str, target: str, command: str, tmp_path: Path
+    bases: _Bases, kind: str, target: str, command: str, tmp_path: Path
 ) -> None:
     """``torch-handle export|test|validate|predict|fit --ckpt_path`` on the checkpoint each strategy writes, with a
     polyglot where the loader would unpickle it: one ``error:`` line, exit 1, and the marker never appears."""
@@ -246,8 +257,9 @@ DAMAGES: dict[str, tuple[str, Callable[[Path], None], str]] = {
 }  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", DAMAGES)
-def test_a_damaged_folder_is_named_damaged_in_one_line(bases: dict[str, Path], damage: str, tmp_path: Path) -> None:
+def test_a_damaged_folder_is_named_damaged_in_one_line(bases: _Bases, damage: str, tmp_path: Path) -> None:
     kind, damaging, expected = DAMAGES[damage]
     ckpt = _copy(bases[kind], tmp_path)
     damaging(ckpt)

@@ -86,9 +86,9 @@ def test_config_by_unknown_name_is_one_line(capsys: pytest.CaptureFixture[str]) 
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--config", "zero4"])
     assert str(exit_info.value.code) == (
-        "error: --config zero4: no such file, and no shipped config of that name (shipped: ddp, demo, fsdp, "
-        "fsdp2_tp, multi30k, pp, summarization, summarization_32k, summarization_cp, tp, zero1, zero2, zero3, "
-        "zero3_offload)"
+        "error: --config zero4: no such file, and no shipped config of that name (shipped: ddp, demo, ema, fsdp, "
+        "fsdp2_tp, mlflow, multi30k, pp, summarization, summarization_32k, summarization_cp, tp, wandb, zero1, zero2, "
+        "zero3, zero3_offload)"
     )
 
 
@@ -118,9 +118,9 @@ def test_top_level_commands(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["export", "--help"])
     usage = " ".join(capsys.readouterr().out.split())
-    assert " export [-h] [--format {safetensors,ctranslate2}] checkpoint output" in usage
+    assert " export [-h] [--format {safetensors,ctranslate2,hf}] checkpoint output" in usage
     with pytest.raises(SystemExit):
         main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "prepare (download a corpus" in text and "export (a checkpoint to one safetensors file" in text
-    assert "shipped config's name: ddp, demo, fsdp," in text
+    assert "shipped config's name: ddp, demo, ema, fsdp," in text

@@ -21,6 +21,7 @@ import torch_handle
 from torch_handle.callbacks.prediction_writer import PredictionWriter
 from torch_handle.cli import TorchHandleCLI
 from torch_handle.data import EOS_ID, PAD_ID, Seq2SeqDataModule, SummarizationDataModule, Tokenizer
+from torch_handle.data.tokenizer import Specials
 from torch_handle.hierarchical import chunk_spans, summarize
 from torch_handle.metrics import ROUGE_KEYS, Rouge, split_sentences
 from torch_handle.model import Transformer
@@ -64,6 +65,8 @@ def test_chunking_rejects_windows_that_cannot_advance(max_tokens: int, overlap: 
 
 class _WordTokenizer:
     """Token ids written as words, so every level's length is known exactly."""
+
+    specials = Specials()
 
     def encode(self, text: str) -> list[int]:
         return [int(word) for word in text.split()]

@@ -50,6 +50,7 @@ from torch_handle.layouts import deepspeed_refusal
 from torch_handle.model import BackendUnavailableError, ConfigError
 from torch_handle.module import Seq2SeqModule
 from torch_handle.strategies import require_deepspeed
+from torch_handle.tracking import SaveConfig, configure_trackers, is_tracker, log_checkpoint_paths, record_run_ids
 
 # Lightning's MisconfigurationException: the Trainer's and callbacks' own checks of their settings.
 USER_ERRORS = (CheckpointError, ConfigError, DataError, SetupError, BackendUnavailableError, MisconfigurationException)
@@ -189,6 +190,8 @@ class TorchHandleCLI(LightningCLI):
         init_from = config.model.get("init_from")
         if init_from is not None and config.data.init_args.tokenizer_path is None:
             config.data.init_args.tokenizer_path = init_from  # a pretrained model reads its own tokenizer's ids
+        # evaluation logs to a new tracker run
+        configure_trackers(config, resume=self.subcommand == "fit" and config.get("ckpt_path") is not None)
         if self.subcommand not in EVALUATE:
             self._use_checkpoint_tokenizer(config)
             return
@@ -233,14 +236,18 @@ class TorchHandleCLI(LightningCLI):
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         """Lightning's default logger (TensorBoard in ``default_root_dir``) without its placeholder ``hp_metric = -1``,
-        for ``fit``; evaluation logs nothing unless ``--trainer.logger`` asks (its results are printed), so it leaves
-        no new ``version_N`` folder (nor a ``config.yaml``). Predictions written to ``-`` keep standard output to
+        for ``fit``, and beside the trackers ``--trainer.logger`` names (``--config mlflow``, ``--config wandb``);
+        evaluation logs nothing unless ``--trainer.logger`` asks (its results are printed), so it leaves no new
+        ``version_N`` folder (nor a ``config.yaml``). Predictions written to ``-`` keep standard output to
         themselves: no progress bar."""
         config = self.config[self.subcommand] if self.subcommand else self.config
         logger = config.trainer.logger
+        root = config.trainer.default_root_dir
         if logger is True or (logger is None and self.subcommand in (None, "fit")):
-            root = config.trainer.default_root_dir
             kwargs["logger"] = TensorBoardLogger(root, version=SLURMEnvironment.job_id(), default_hp_metric=False)
+        elif any(is_tracker(item) for item in self._loggers()):  # TensorBoard's version_N holds config.yaml
+            tensorboard = TensorBoardLogger(root, version=SLURMEnvironment.job_id(), default_hp_metric=False)
+            kwargs["logger"] = [tensorboard, *self._loggers()]
         elif logger is None:
             kwargs["logger"] = False
         if self.subcommand in EVALUATE and not kwargs.get("logger", logger):
@@ -248,6 +255,11 @@ class TorchHandleCLI(LightningCLI):
         if self.subcommand == "predict" and config.prediction_writer.output == STDOUT:
             kwargs["enable_progress_bar"] = False
         return super().instantiate_trainer(**kwargs)
+
+    def _loggers(self) -> list[Any]:
+        """The loggers ``--trainer.logger`` instantiated."""
+        logger = (self.config_init[self.subcommand] if self.subcommand else self.config_init).trainer.logger
+        return logger if isinstance(logger, list) else [logger]
 
     def before_fit(self) -> None:
         """One run per folder: a second run started in it stops with one line instead of sharing its files. A
@@ -268,6 +280,11 @@ class TorchHandleCLI(LightningCLI):
             raise CheckpointError(refusal)
         if rank_zero_only.rank == 0:
             lock_run_folder(self.trainer.default_root_dir)
+            record_run_ids(self.trainer)
+
+    def after_fit(self) -> None:
+        if self.trainer.is_global_zero:
+            log_checkpoint_paths(self.trainer)
 
     def before_validate(self) -> None:
         self._load_exported()
@@ -379,6 +396,7 @@ def main(args: list[str] | None = None) -> None:
             Seq2SeqModule,
             Seq2SeqDataModule,
             subclass_mode_data=True,
+            save_config_callback=SaveConfig,
             save_config_kwargs={"overwrite": True},
             parser_class=OneLineErrorParser,
             parser_kwargs={

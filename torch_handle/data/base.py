@@ -20,7 +20,7 @@ from torch_handle.data.batching import (
     TokenBudgetBatchSampler,
 )
 from torch_handle.data.resume import ResumableDataLoader, batches_processed
-from torch_handle.data.tokenizer import Tokenizer
+from torch_handle.data.tokenizer import Tokenizer, pretrained_tokenizer
 from torch_handle.errors import DataError
 
 Split = Literal["train", "val", "test", "predict"]
@@ -132,9 +132,7 @@ class Seq2SeqDataModule(LightningDataModule, ABC):
         """The tokenizer: from ``tokenizer_path``, a checkpoint, or trained on the train split."""
         if self._tokenizer is None:
             if self.tokenizer_path is not None and Path(self.tokenizer_path).is_dir():
-                from torch_handle.pretrained import pretrained_tokenizer  # a Hugging Face folder's (--model.init_from)
-
-                self._use(pretrained_tokenizer(Path(self.tokenizer_path)))
+                self._use(pretrained_tokenizer(Path(self.tokenizer_path)))  # a Hugging Face folder's (init_from)
             elif self.tokenizer_path is not None:
                 self._use(Tokenizer.from_file(self.tokenizer_path))
             else:

@@ -216,3 +216,37 @@ def _until_eos(ids: Sequence[int], eos_id: int) -> list[int]:
     """Plain ints up to (excluding) the first ``<eos>``; accepts tensors through ``tolist``."""
     values = ids.tolist() if hasattr(ids, "tolist") else [int(i) for i in ids]
     return values[: values.index(eos_id)] if eos_id in values else values
+
+
+def read_tokenizer(folder: Path, specials: Specials) -> Tokenizer:
+    """The folder's ``tokenizer.json``, with the model's special tokens and the prefix its post-processor adds."""
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        raise DataError(
+            f"{folder} has no tokenizer.json: save a fast tokenizer there "
+            "(transformers.AutoTokenizer.from_pretrained(FOLDER).save_pretrained(FOLDER))"
+        )
+    try:
+        backend = _HFTokenizer.from_file(str(path))
+    except Exception as err:  # the Rust binding raises a bare Exception
+        raise DataError(f"{path} is not a tokenizer ({str(err).splitlines()[0]})") from None
+    wrapped = backend.encode("", add_special_tokens=True).ids  # e.g. BART's [<s>, </s>], Marian's [</s>]
+    prefix = tuple(wrapped[: wrapped.index(specials.eos_id)] if specials.eos_id in wrapped else wrapped)
+    return Tokenizer(backend, Specials(specials.pad_id, specials.bos_id, specials.eos_id, prefix, prefix))
+
+
+def pretrained_tokenizer(folder: Path) -> Tokenizer:
+    """A Hugging Face model folder's tokenizer with its model's special tokens: ``config.json``'s pad token, and the
+    decoder's start and end tokens (``generation_config.json`` before ``config.json``, as transformers reads them)."""
+    settings = {}
+    for name in ("config.json", "generation_config.json"):
+        if (folder / name).is_file():
+            try:
+                settings |= json.loads((folder / name).read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as err:
+                raise DataError(f"{folder / name} is not JSON ({err}): pass a folder save_pretrained wrote") from None
+    try:
+        specials = Specials(settings["pad_token_id"], settings["decoder_start_token_id"], settings["eos_token_id"])
+    except KeyError as err:
+        raise DataError(f"{folder}: config.json lacks {err}: pass a folder save_pretrained wrote") from None
+    return read_tokenizer(folder, specials)

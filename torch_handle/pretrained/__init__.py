@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from torch_handle.checkpoints import CheckpointError
-from torch_handle.data.tokenizer import Specials, Tokenizer
+from torch_handle.data.tokenizer import Specials, Tokenizer, pretrained_tokenizer, read_tokenizer
 from torch_handle.export import Decoding
 from torch_handle.model import Transformer
 from torch_handle.model.config import ConfigError, TransformerConfig
@@ -24,7 +24,6 @@ from torch_handle.pretrained.reader import (
     GENERATION,
     is_pretrained_folder,
     read_json,
-    read_tokenizer,
     read_weights,
 )
 
@@ -97,9 +96,3 @@ def load_pretrained(folder: str | Path, attention_backend: str = "auto") -> tupl
     model = Transformer(dataclasses.replace(config, attention_backend=attention_backend))
     fill(model, read_weights(folder), str(folder))
     return model, tokenizer, decoding
-
-
-def pretrained_tokenizer(folder: Path) -> Tokenizer:
-    """The folder's tokenizer, with the special tokens of its model (the decoder's start token among them)."""
-    config, _, _ = pretrained_config(folder)
-    return read_tokenizer(folder, Specials(config.pad_id, config.bos_id, config.eos_id))

@@ -14,10 +14,8 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from tokenizers import Tokenizer as _HFTokenizer
 from torch import Tensor
 
-from torch_handle.data.tokenizer import Specials, Tokenizer
 from torch_handle.errors import CheckpointError
 from torch_handle.unpickling import ARCHIVE_MAGIC, archive_pickles, check_globals, head
 
@@ -95,20 +93,3 @@ def read_weights(folder: Path) -> Iterator[tuple[str, Tensor]]:
             raise CheckpointError(f"{file} is not a state dict: pass a folder written by save_pretrained")
         yield from state.items()
         del state
-
-
-def read_tokenizer(folder: Path, specials: Specials) -> Tokenizer:
-    """The folder's ``tokenizer.json``, with the model's special tokens and the prefix its post-processor adds."""
-    path = folder / "tokenizer.json"
-    if not path.is_file():
-        raise CheckpointError(
-            f"{folder} has no tokenizer.json: save a fast tokenizer there "
-            "(transformers.AutoTokenizer.from_pretrained(FOLDER).save_pretrained(FOLDER))"
-        )
-    try:
-        backend = _HFTokenizer.from_file(str(path))
-    except Exception as err:  # the Rust binding raises a bare Exception
-        raise CheckpointError(f"{path} is not a tokenizer ({str(err).splitlines()[0]})") from None
-    wrapped = backend.encode("", add_special_tokens=True).ids  # e.g. BART's [<s>, </s>], Marian's [</s>]
-    prefix = tuple(wrapped[: wrapped.index(specials.eos_id)] if specials.eos_id in wrapped else wrapped)
-    return Tokenizer(backend, Specials(specials.pad_id, specials.bos_id, specials.eos_id, prefix, prefix))
