@@ -59,7 +59,9 @@ PAD, BOS, EOS = 0, 1, 2
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]  # ids 0-3, the layout torch_handle.ctranslate2 expects
 IMPLS = ["ours", "bart", "marian", "ct2-fp32", "ct2-int8"]
 TRAINABLE = ["ours", "bart", "marian"]
+INT8 = ["ours", "ours-int8", "ct2-fp32", "ct2-int8"]  # --quantize int8: ours eager fp32 and int8 against CTranslate2
 NAMES = {"ours": "ours", "bart": "HF BART", "marian": "HF Marian", "ct2-fp32": "CT2 fp32", "ct2-int8": "CT2 int8"}
+NAMES["ours-int8"] = "ours int8"
 LABEL_SMOOTHING = 0.1  # as every shipped config
 DROPOUT = 0.1
 TRAIN_BATCHES = 4  # distinct training batches, cycled
@@ -311,8 +313,11 @@ def _export_child(s: Sizes, folder: Path) -> dict[str, Any]:
     return {}
 
 
-def _decode_child(impl: str, s: Sizes, repeats: int, threads: int, folder: Path | None, device: str) -> dict[str, Any]:
+def _decode_child(
+    impl: str, s: Sizes, repeats: int, threads: int, folder: Path | None, device: str, compiled: bool = True
+) -> dict[str, Any]:
     """Times greedy and beam decoding of the same sources; asserts every sentence has ``new_tokens`` tokens.
+    Ours also compiled on the CPU, with ``compiled``; ours int8 counts its greedy sentences equal to fp32's.
 
     The CTranslate2 children import no torch: their peak RSS is what a CTranslate2 deployment holds.
     """
@@ -351,10 +356,13 @@ def _decode_child(impl: str, s: Sizes, repeats: int, threads: int, folder: Path 
 
         src = torch.tensor(_sources(s), device=device)
         decode = _torch_decoder(impl, s, src, device)
+        if impl == "ours-int8":
+            reference = json.loads((folder / "reference.json").read_text())  # type: ignore[operator]
+            agreement = sum(row == ref for row, ref in zip(decode(1), reference, strict=True))
 
     figures: dict[str, Any] = {"agreement": agreement}
     modes = [("greedy", 1, {}), ("beam", s.beams, {})]
-    if impl == "ours" and device == "cpu":  # torch_handle.load(..., compile=True): CPU only
+    if impl == "ours" and device == "cpu" and compiled:  # torch_handle.load(..., compile=True): CPU only
         modes += [("greedy_compiled", 1, {"compiled": True}), ("beam_compiled", s.beams, {"compiled": True})]
     for name, beams, options in modes:
         if options and "peak" not in figures:  # the peak of eager decoding, before compiling's own memory
@@ -377,15 +385,16 @@ def _torch_decoder(impl: str, s: Sizes, src: Any, device: str) -> Callable[..., 
     ``tolist`` waits for the device); ours also takes ``compiled=True`` (over a :class:`CompiledDecode`)."""
     import torch
 
-    if impl == "ours":
+    if impl in ("ours", "ours-int8"):
         from torch_handle.model import CompiledDecode, generate
         from torch_handle.model.generation import cpu_decoding_layout
+        from torch_handle.quantize import quantize
 
         model = _our_model(s).to(device).eval()
         eager = model
         if device == "cpu":  # as load() lays out a model that decodes eagerly on a CPU; compiled, it keeps the trained
             eager = copy.deepcopy(model)
-            cpu_decoding_layout(eager)
+            quantize(eager, "int8") if impl == "ours-int8" else cpu_decoding_layout(eager)
         compiled_step: list[CompiledDecode] = []  # made at the first compiled call
 
         def decode(beams: int, compiled: bool = False) -> list[list[int]]:
@@ -439,7 +448,7 @@ def _child(impl: str, task: str, s: Sizes, args: argparse.Namespace) -> dict[str
         assert folder is not None, "--task export needs --export-dir"
         result = _export_child(s, folder)
     else:
-        result = _decode_child(impl, s, args.repeats, args.threads, folder, args.device)
+        result = _decode_child(impl, s, args.repeats, args.threads, folder, args.device, not args.quantize)
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else None
     return result | {
         "impl": impl,
@@ -463,9 +472,9 @@ def _versions(device: str) -> str:
     return f"transformers {transformers.__version__}, ctranslate2 {ctranslate2.__version__}"
 
 
-def _decoders(device: str) -> list[str]:
-    """The implementations that decode: CTranslate2 on the CPU only, where its goal is."""
-    return IMPLS if device == "cpu" else TRAINABLE
+def _decoders(device: str, quantize: str | None = None) -> list[str]:
+    """The implementations that decode: CTranslate2 on the CPU only, where its goal is; int8 against CTranslate2."""
+    return INT8 if quantize else IMPLS if device == "cpu" else TRAINABLE
 
 
 def _run_all(args: argparse.Namespace) -> tuple[dict[str, dict[str, list[dict]]], str]:
@@ -475,7 +484,8 @@ def _run_all(args: argparse.Namespace) -> tuple[dict[str, dict[str, list[dict]]]
     common_args += ["--repeats", str(args.repeats), "--device", args.device] + (["--dry-run"] if args.dry_run else [])
     common_args += ["--batch", str(args.batch)] if args.batch else []
     common_args += ["--compile-train"] if args.compile_train else []
-    decoders = _decoders(args.device)
+    common_args += ["--quantize", args.quantize] if args.quantize else []
+    decoders = _decoders(args.device, args.quantize)
     runs: dict[str, dict[str, list[dict]]] = {"train": {i: [] for i in TRAINABLE}, "decode": {i: [] for i in decoders}}
     machine = ""
     with tempfile.TemporaryDirectory() as folder:
@@ -568,6 +578,48 @@ def _table(runs: dict[str, dict[str, list[dict]]], s: Sizes, device: str) -> tup
         rows.append(row("greedy sentences identical to ours", agreement))
     rows.append(row(f"decoding {memory} (MiB)", {i: f"{_peak(decode[i]):,.0f}" for i in impls}))
     return header, rows
+
+
+def _int8_table(runs: dict[str, dict[str, list[dict]]], s: Sizes) -> tuple[list[str], list[list[str]]]:
+    """``--quantize int8``: sentences/s of ours fp32 and int8 (eager) and CTranslate2 fp32 and int8; int8 / peers."""
+    header = ["measurement", *(NAMES[i] for i in INT8), "ours int8 / ours", "ours int8 / CT2 int8", "goal"]
+    decode, rows = runs["decode"], []
+    for name, label in (("greedy", "greedy"), ("beam", f"beam {s.beams}")):
+        speed = {i: s.sources / _pooled(decode[i], name, "wall") for i in INT8}
+        ratio = speed["ours-int8"] / speed["ct2-int8"]
+        cells = [f"{speed[i]:.1f}" for i in INT8] + [f"{speed['ours-int8'] / speed['ours']:.2f}", f"{ratio:.2f}"]
+        rows.append([f"{label} decoding, sentences/s (wall)", *cells, _goal(ratio, ">=", 0.8, "CT2 int8")])
+    lengths = {i: {f"{run['greedy']['length']} / {run['beam']['length']}" for run in decode[i]} for i in INT8}
+    rows.append(["tokens generated per sentence, greedy / beam", *(" or ".join(sorted(lengths[i])) for i in INT8)])
+    agreement = [f"{decode[i][0]['agreement']}/{s.sources}" if i != "ours" else "-" for i in INT8]
+    rows.append(["greedy sentences identical to ours fp32", *agreement])
+    rows.append(["decoding peak RSS (MiB)", *(f"{_peak(decode[i]):,.0f}" for i in INT8)])
+    return header, [row + ["-"] * (len(header) - len(row)) for row in rows]
+
+
+def _int8_section(
+    command: str,
+    minutes: float,
+    machine: str,
+    header: list[str],
+    rows: list[list[str]],
+    args: argparse.Namespace,
+    s: Sizes,
+) -> str:
+    return "\n\n".join(
+        [
+            '## int8 decoding: `load(..., quantize="int8")` against CTranslate2 int8 (`bench_peers.py`)',
+            f"Command: `{command}` ({minutes:.1f} min). {machine} {_versions('cpu')}.",
+            f"bench_peers' model and sources (d_model {s.d_model}, {s.layers}+{s.layers} layers, vocabulary {s.vocab}, "
+            f"fresh weights; {s.sources} sources of {s.source_len} tokens, exactly {s.new_tokens} tokens generated), "
+            "decoding only, every implementation eager in a child of its own, alternating the order: ours fp32 "
+            'with column-major weights as `load` lays them out, ours int8 as `load(..., quantize="int8")` makes it '
+            "(`torch.ao` dynamic int8 linears, one scale per weight row), CTranslate2 `compute_type='float32' | "
+            f"'int8'` on the same weights; median of {args.repeats} calls after one untimed call, pooled over "
+            f"{args.rounds} rounds.",
+            common.markdown_table(header, rows),
+        ]
+    )
 
 
 def _train_rows(
@@ -705,7 +757,12 @@ def _configs(s: Sizes, cpu: bool) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--child", choices=IMPLS, help="run one child measurement and print JSON")
+    parser.add_argument("--child", choices=[*IMPLS, "ours-int8"], help="run one child measurement and print JSON")
+    parser.add_argument(
+        "--quantize",
+        choices=["int8"],
+        help="decoding only: ours eager fp32 and int8 (load(..., quantize='int8')) against CTranslate2 fp32 and int8",
+    )
     parser.add_argument("--task", choices=["train", "decode", "export"], default="decode", help="with --child")
     parser.add_argument("--export-dir", help="with --child: the folder that --task export writes, CT2 reads")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads in every child")
@@ -735,6 +792,8 @@ def main() -> None:
     if args.batch:
         s = dataclasses.replace(s, batch=args.batch)
 
+    if args.quantize:
+        args.tasks = ["decode"]
     if args.child:
         print(json.dumps(_child(args.child, args.task, s, args)))
         return
@@ -744,7 +803,7 @@ def main() -> None:
     runs, machine = _run_all(args)
     minutes = (time.perf_counter() - start) / 60
     log.info("all children: %.1f min", minutes)
-    header, rows = _table(runs, s, args.device)
+    header, rows = _int8_table(runs, s) if args.quantize else _table(runs, s, args.device)
     command = f"python benchmarks/bench_peers.py --device {args.device} --threads {args.threads}"
     if "train" in args.tasks:
         command += f" --steps {args.steps} --warmup {args.warmup}"
@@ -753,6 +812,11 @@ def main() -> None:
     command += f" --repeats {args.repeats}" if "decode" in args.tasks else ""
     command += f" --tasks {' '.join(args.tasks)}" if args.tasks != ["train", "decode"] else ""
     command += f" --rounds {args.rounds}" + (" --dry-run" if args.dry_run else "")
+    command += f" --quantize {args.quantize}" if args.quantize else ""
+    if args.quantize:
+        body = _int8_section(command, minutes, machine, header, rows, args, s)
+        print(body) if args.no_write else common.write_section("bench_peers_int8", body)
+        return
     cpu = args.device == "cpu"
     body = "\n\n".join(
         [

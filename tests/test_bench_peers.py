@@ -70,3 +70,26 @@ def test_dry_run_measures_every_implementation_at_the_forced_length() -> None:
     # CTranslate2 fp32 decodes our exported weights: its greedy sentences are ours.
     assert _row(table, "greedy sentences identical to ours")["CT2 fp32"] == "3/3", table
     assert (ROOT / "benchmarks" / "RESULTS.md").read_text() == results  # --no-write writes nothing
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(bool(MISSING), reason=f"{' and '.join(MISSING)} not installed (pip install 'torch-handle[bench]')")
+def test_quantize_int8_dry_run_times_ours_int8_against_ctranslate2_int8() -> None:
+    command = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "bench_peers.py"),
+        "--dry-run",
+        "--no-write",
+        "--quantize",
+        "int8",
+    ]
+    run = subprocess.run(command, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=2 * RUN_TIMEOUT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    impls = ["ours", "ours int8", "CT2 fp32", "CT2 int8"]
+    for label in ("greedy decoding, sentences/s", "beam 5 decoding, sentences/s"):
+        row = _row(run.stdout, label)
+        assert all(float(row[impl]) > 0 for impl in impls) and float(row["ours int8 / CT2 int8"]) >= 0, row
+        assert row["goal"].startswith(">= 0.8x CT2 int8: "), row
+    assert [_row(run.stdout, "tokens generated per sentence")[impl] for impl in impls] == ["6 / 6"] * 4
+    # At the dry run's size, int8 rounding leaves the greedy sentences of our fresh weights as fp32's.
+    assert _row(run.stdout, "greedy sentences identical to ours fp32")["ours int8"] == "3/3", run.stdout

@@ -33,6 +33,7 @@ from torch_handle.model import CompiledDecode, Transformer, generate
 from torch_handle.model.generation import cpu_decoding_layout
 from torch_handle.model.logits import DecodingControls
 from torch_handle.pretrained import is_pretrained_folder, load_pretrained
+from torch_handle.quantize import quantize as quantize_model
 
 log = logging.getLogger(__name__)
 
@@ -223,7 +224,11 @@ class Model:
 
 
 def load(
-    path: str | Path, device: str | torch.device = "cpu", attention_backend: str = "auto", compile: bool = False
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    attention_backend: str = "auto",
+    compile: bool = False,
+    quantize: str | None = None,
 ) -> Model:
     """The model at ``path``, in evaluation mode on ``device``, ready to translate or summarize.
 
@@ -239,10 +244,14 @@ def load(
             weights frozen in, after a first call that compiles (seconds; again for a new batch size, not for new
             source lengths). What it gains: see benchmarks/RESULTS.md, section "`compile=True` on real
             sentences".
+        quantize: ``"int8"``: on a CPU, every linear of the model becomes a dynamic int8 one
+            (:mod:`torch_handle.quantize`), eager decoding only. What it gains and costs: see benchmarks/RESULTS.md,
+            section "int8 decoding".
 
     Raises:
         CheckpointError: ``path`` is missing, damaged, or not a model; the message names the file and the fix.
         SetupError: ``device`` is a CUDA device and this machine has none, or ``compile`` with a CUDA device.
+        ValueError: ``quantize`` is not ``"int8"``, or comes with a device other than the CPU or ``compile``.
     """
     path = Path(path)
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
@@ -251,7 +260,15 @@ def load(
         raise CheckpointError(f"{path} does not exist: pass {KINDS}")
     if is_pretrained_folder(path):
         model, tokenizer, decoding = load_pretrained(path, attention_backend)
-        return Model(model.to(device), tokenizer, decoding, compile)
+    else:
+        model, tokenizer, decoding = _read(path, attention_backend)
+    if quantize is not None:
+        quantize_model(model.to(device), quantize, compile)
+    return Model(model.to(device), tokenizer, decoding, compile)
+
+
+def _read(path: Path, attention_backend: str) -> tuple[Transformer, Tokenizer, Decoding]:
+    """The model, tokenizer and decoding defaults of an export, a checkpoint or a run folder."""
     if is_exported(path):
         config, tokenizer = exported_metadata(path)
         decoding, weights = exported_decoding(path, config), exported_weights(path)
@@ -264,4 +281,4 @@ def load(
         tokenizer = Tokenizer.from_str(text)
     model = Transformer(dataclasses.replace(config, attention_backend=attention_backend))
     model.load_state_dict(weights, strict=True)
-    return Model(model.to(device), tokenizer, decoding, compile)
+    return model, tokenizer, decoding

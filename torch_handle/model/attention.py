@@ -126,10 +126,8 @@ class MultiHeadAttention(nn.Module):
             cache: Self-attention: new keys/values are appended. Cross-attention: filled on first use.
             capacity: Positions to preallocate when a self-attention cache is first filled.
         """
-        w, b = self.packed_projection()
-        c = w.shape[0] // 3  # query rows: d_model, or this process's heads' share of it under tensor parallelism
         if memory is None:
-            q, k, v = (self._heads(t) for t in F.linear(x, w, b).chunk(3, dim=-1))
+            q, k, v = (self._heads(t) for t in self.project(x, "qkv").chunk(3, dim=-1))
             if rope is not None:
                 q, k = apply_rope(q, *rope), apply_rope(k, *rope)
             if self.kv_hook is not None and cache is None:
@@ -143,16 +141,26 @@ class MultiHeadAttention(nn.Module):
                     "per row, or per group of consecutive rows (a source's beams)"
                 )
             # Rows of x grouped per memory row: (B * group, T, C) -> (B, group * T, C), undone by the last reshape.
-            q = self._heads(F.linear(x.reshape(memory.shape[0], -1, x.shape[-1]), w[:c], b[:c]))
+            q = self._heads(self.project(x.reshape(memory.shape[0], -1, x.shape[-1]), "q"))
             if cache is not None and cache.k is not None:
                 k, v = cache.k, cache.v
             else:
-                k, v = (self._heads(t) for t in F.linear(memory, w[c:], b[c:]).chunk(2, dim=-1))
+                k, v = (self._heads(t) for t in self.project(memory, "kv").chunk(2, dim=-1))
                 if cache is not None:
                     cache.k, cache.v, cache.length = k, v, k.shape[-2]
         dropout_p = self.dropout if self.training else 0.0
         out = attend(q, k, v, spec, self.backend, dropout_p)  # (B, H, T, D)
         return self.out_proj(out.transpose(1, 2).reshape(*x.shape[:-1], -1))
+
+    def project(self, x: Tensor, part: str) -> Tensor:
+        """``x`` times the packed projection's rows named by ``part``: ``"qkv"`` all of them (self-attention),
+        ``"q"`` the queries' or ``"kv"`` the keys' and values' (cross-attention). int8 decoding
+        (:mod:`torch_handle.quantize`) replaces it with int8 matrices."""
+        w, b = self.packed_projection()
+        if part == "qkv":
+            return F.linear(x, w, b)
+        c = w.shape[0] // 3  # query rows: d_model, or this process's heads' share of it under tensor parallelism
+        return F.linear(x, w[:c], b[:c]) if part == "q" else F.linear(x, w[c:], b[c:])
 
     def packed_projection(self) -> tuple[Tensor, Tensor]:
         """The query, key and value weight ``(3C, C)`` and bias ``(3C,)`` that :meth:`forward` multiplies by.
