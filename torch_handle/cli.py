@@ -345,7 +345,7 @@ def user_error(err: BaseException | None) -> BaseException | None:
 
 
 def shipped_configs() -> Path:
-    """The shipped ``configs/`` (in a checkout ``torch_handle/configs`` links to the top-level folder)."""
+    """The shipped configs, inside the package (the checkout's top-level `configs/` links here)."""
     return Path(__file__).parent / "configs"
 
 
