@@ -12,7 +12,8 @@ from torch import Tensor, nn
 from transformers import GenerationConfig, GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
 
-from torch_handle.model import CompiledDecode, ConfigError, Transformer, TransformerConfig, generate
+from tests.test_lockstep_decoding import _stopped_by_peers
+from torch_handle.model import CompiledDecode, ConfigError, Transformer, TransformerConfig, generate, generation
 from torch_handle.model.logits import DecodingControls, process_scores
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -83,9 +84,9 @@ class _Wrapped(PreTrainedModel, GenerationMixin):
         }
 
 
-def _model(seed: int = 0) -> Transformer:
+def _model(seed: int = 0, config: TransformerConfig = CONFIG) -> Transformer:
     torch.manual_seed(seed)
-    model = Transformer(CONFIG).eval()
+    model = Transformer(config).eval()
     with torch.no_grad():
         # EOS scored as the token this random model repeats most: outputs of a few tokens to the whole limit.
         model.lm_head.weight[EOS] = model.lm_head.weight[11] + 0.5 * model.lm_head.weight[EOS]
@@ -99,25 +100,27 @@ def _sources(rows: int = 4, seed: int = 3) -> Tensor:
     return src
 
 
-def _generate_config(controls: DecodingControls, beams: int, new_tokens: int) -> GenerationConfig:
+def _generate_config(controls: DecodingControls, beams: int, new_tokens: int, **options: Any) -> GenerationConfig:
     fields = {k: v for k, v in dataclasses.asdict(controls).items() if k != "seed"}
+    fields |= {"length_penalty": 1.0, "eos_token_id": EOS} | options
     return GenerationConfig(
-        max_new_tokens=new_tokens, num_beams=beams, early_stopping=True, length_penalty=1.0, use_cache=False,
-        pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS, decoder_start_token_id=BOS, **fields,
+        max_new_tokens=new_tokens, num_beams=beams, early_stopping=True, use_cache=False,
+        pad_token_id=PAD, bos_token_id=BOS, decoder_start_token_id=BOS, **fields,
     )  # fmt: skip
 
 
 def _theirs(
-    model: Transformer, src: Tensor, controls: DecodingControls, beams: int, new_tokens: int
+    model: Transformer, src: Tensor, controls: DecodingControls, beams: int, new_tokens: int, **options: Any
 ) -> list[list[int]]:
+    """``generate`` of ``transformers`` over our model; ``options``: more of its ``GenerationConfig``."""
     wrapped = _Wrapped(model).eval()
-    config = _generate_config(controls, beams, new_tokens)
+    config = _generate_config(controls, beams, new_tokens, **options)
     out = wrapped.generate(src, attention_mask=(src != PAD).long(), generation_config=config)
-    return [_until_eos(row[1:]) for row in out.tolist()]
+    return [_until_eos(row[1:], options.get("eos_token_id", EOS)) for row in out.tolist()]
 
 
-def _until_eos(row: list[int]) -> list[int]:
-    return row[: row.index(EOS) + 1] if EOS in row else row
+def _until_eos(row: list[int], eos: int = EOS) -> list[int]:
+    return row[: row.index(eos) + 1] if eos in row else row
 
 
 def _ours(model: Transformer, src: Tensor, controls: DecodingControls | None, beams: int, **kwargs: Any) -> list:
@@ -234,6 +237,52 @@ def test_compiled_decoding_with_controls_equals_eager_decoding(beams: int) -> No
     for controls in (CONTROLS["deterministic, all"], CONTROLS["sampling, all"]):
         controls = dataclasses.replace(controls, seed=3) if controls.do_sample else controls
         assert _ours(model, src, controls, beams, decode=compiled) == _ours(model, src, controls, beams)
+
+
+@pytest.mark.parametrize("path", ["cached", "static"])
+@pytest.mark.parametrize("beams", [1, 3])
+def test_forced_eos_ends_an_output_that_the_minimum_length_keeps_open(beams: int, path: str) -> None:
+    """``min_new_tokens`` up to the limit rules EOS out at the last step, where ``forced_eos_id`` forces it: forcing
+    comes after the controls, as in ``transformers``, so every output ends with EOS at the limit (forcing first left
+    the last step nothing)."""
+    model = _model(config=dataclasses.replace(CONFIG, forced_eos_id=EOS))
+    src, controls = _sources(), DecodingControls(min_new_tokens=14, repetition_penalty=1.3)
+    ours = _ours(model, src, controls, beams, cuda_graph=path == "static")
+    assert ours == _theirs(model, src, controls, beams, 14, forced_eos_token_id=EOS)
+    assert all(len(row) == 14 and row[-1] == EOS for row in ours), ours
+
+
+@pytest.mark.parametrize("path", ["cached", "static"])
+def test_beam_search_finishes_no_hypothesis_scored_minus_inf(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forced BOS leaves one finite candidate at the first step; the rest of ``topk``'s 2K are -inf ties in an
+    order of its own. Where an EOS ranked among the best K of them, it finished a hypothesis scored -inf, which
+    counted toward the K that end a source's search: the search then ended before ``generate``'s. The EOS here is a
+    token this torch's ``topk`` ranks there; a lockstep call stopped by its peers finishes none either."""
+    beams, vocab, forced, rows = 8, 1000, 5, 12
+    ties = torch.full((rows, beams * vocab), float("-inf"))
+    ties[:, forced] = 0
+    tied = (ties.topk(2 * beams).indices[0, 1:beams] % vocab).tolist()
+    eos = next(t for t in tied if t not in (PAD, BOS, forced))
+    config = dataclasses.replace(
+        CONFIG, src_vocab_size=vocab, tgt_vocab_size=vocab, eos_id=eos, forced_bos_id=forced
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Transformer(config).eval()
+    with torch.no_grad():  # EOS near a likely token's score: hypotheses finish at many lengths
+        model.lm_head.weight[eos] = model.lm_head.weight[11] + 2.0 * model.lm_head.weight[eos]
+    src = torch.randint(3, vocab, (rows, 9), generator=torch.Generator().manual_seed(3))
+    finished: list[list[tuple[float, list[int]]]] = []
+    best = generation._best
+    monkeypatch.setattr(generation, "_best", lambda hyps: finished.extend(hyps) or best(hyps))
+    options = {"cuda_graph": path == "static"}  # a length penalty that favours the late, long hypotheses
+    ours = [_until_eos(row, eos) for row in generate(model, src, 14, beams, 3.0, **options).tolist()]
+    theirs = _theirs(model, src, DecodingControls(), beams, 14, eos_token_id=eos, forced_bos_token_id=forced,
+                     length_penalty=3.0)  # fmt: skip
+    assert ours == theirs
+    for steps in (0, 1, 2, 5):
+        generate(model, src, 14, beams, 3.0, _stopped_by_peers(steps), **options)
+    assert len(finished) == 5 * rows and all(hyps for hyps in finished)
+    assert all(score > float("-inf") for hyps in finished for score, _ in hyps)
 
 
 def test_bad_controls_are_one_line_naming_the_fix() -> None:

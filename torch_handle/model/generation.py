@@ -34,18 +34,25 @@ def cpu_decoding_layout(model: nn.Module) -> None:
             module.weight.data = module.weight.data.t().contiguous().t()
 
 
-def next_token_logits(logits: Tensor, config: TransformerConfig, step: int, steps: int) -> Tensor:
-    """Last-position logits ``(B, V)`` of output position ``step`` of ``steps``, the tokens never generated ruled out
-    (by default padding and BOS), and ``forced_bos_id`` first or ``forced_eos_id`` last the only ones left."""
+def next_token_logits(logits: Tensor, config: TransformerConfig) -> Tensor:
+    """Last-position logits ``(B, V)``, the tokens never generated ruled out (by default padding and BOS), as
+    ``bad_words_ids`` rules them out in ``transformers``, before the decoding controls."""
     logits = logits[:, -1].float()
-    forced = config.forced_bos_id if step == 0 else config.forced_eos_id if step == steps - 1 else None
-    if forced is not None:
-        keep = logits[:, forced].clone()
-        logits.fill_(float("-inf"))
-        logits[:, forced] = keep
-    elif config.suppressed:
+    if config.suppressed:
         logits[:, config.suppressed] = float("-inf")
     return logits
+
+
+def force_token(scores: Tensor, config: TransformerConfig, step: int, steps: int) -> Tensor:
+    """``scores (B, V)`` of output position ``step`` of ``steps`` with ``forced_bos_id`` first or ``forced_eos_id``
+    last the only token left, scored 0, as ``transformers``' forcing processors do after the decoding controls:
+    a minimum length that rules EOS out at the last step leaves the forced EOS."""
+    forced = config.forced_bos_id if step == 0 else config.forced_eos_id if step == steps - 1 else None
+    if forced is None:
+        return scores
+    scores = torch.full_like(scores, float("-inf"))
+    scores[:, forced] = 0
+    return scores
 
 
 class CompiledDecode:
@@ -231,9 +238,10 @@ def _dynamic_greedy(
     c = model.config
     done = False
     for step in range(start, out.shape[1]):
-        logits = next_token_logits(model.decode(token, memory, memory_padding, cache), c, step, out.shape[1])
+        logits = next_token_logits(model.decode(token, memory, memory_padding, cache), c)
         if controls is not None:
             logits = controls.greedy(logits, out, rows, step)
+        logits = force_token(logits, c, step, out.shape[1])
         token = logits.max(dim=-1, keepdim=True).indices  # (b, 1); faster than argmax on CPU, same ties
         if not done:
             out[rows, step] = token[:, 0]
@@ -263,9 +271,10 @@ def _static_greedy(
     out = torch.full((token.shape[0], max_new_tokens), c.pad_id, dtype=torch.long, device=token.device)
     finished = torch.zeros(token.shape[0], dtype=torch.bool, device=token.device)
     for i in range(max_new_tokens):
-        logits = next_token_logits(step(token), c, i, max_new_tokens)
+        logits = next_token_logits(step(token), c)
         if controls is not None:
             logits = controls.greedy(logits, out, None, i)
+        logits = force_token(logits, c, i, max_new_tokens)
         token = logits.max(dim=-1, keepdim=True).indices
         out[:, i] = token[:, 0].masked_fill(finished, c.pad_id)
         finished |= token[:, 0] == c.eos_id
@@ -323,6 +332,10 @@ def beam_search(
     active = list(range(b))  # the sources still searching, in batch order; theirs are the batch's rows
 
     def finish(row: int, beam_tokens: list[int], score: float) -> None:
+        # A candidate scored -inf is no hypothesis: a tie of topk's (a forced token leaves one finite candidate) or an
+        # unfilled slot. Every source keeps a finite one (the best candidate of a step is), so none ends empty.
+        if score == float("-inf"):
+            return
         finished[row].append((score / len(beam_tokens) ** length_penalty, beam_tokens))
 
     for step in range(max_new_tokens):
@@ -331,9 +344,10 @@ def beam_search(
             logits = model.decode(tokens[:, -1:], memory, memory_padding, cache)
         else:
             logits = static(tokens[:, -1:].contiguous())  # a fixed stride, or the compiled step recompiles
-        logp = torch.log_softmax(next_token_logits(logits, c, step, max_new_tokens), dim=-1)  # (n*K, V)
+        logp = torch.log_softmax(next_token_logits(logits, c), dim=-1)  # (n*K, V)
         if controls is not None:
             logp = controls.beam(logp, tokens)
+        logp = force_token(logp, c, step, max_new_tokens)
         vocab = logp.shape[-1]
         total = (logp.view(n, k, vocab) + scores[..., None]).view(n, k * vocab)
         if controls is None:
@@ -396,11 +410,16 @@ def beam_search(
                 if len(finished[row]) < k:
                     for beam in range(k):
                         finish(row, prefixes[i * k + beam], final[i][beam])
-    best = [max(hyps, key=lambda h: h[0])[1] for hyps in finished]
+    best = _best(finished)
     out = torch.full((b, max(map(len, best))), c.pad_id, dtype=torch.long)
     for row, hyp in enumerate(best):
         out[row, : len(hyp)] = torch.tensor(hyp)
     return out.to(src.device)
+
+
+def _best(finished: list[list[tuple[float, list[int]]]]) -> list[list[int]]:
+    """Each source's best finished hypothesis, from its ``(score, tokens)`` pairs."""
+    return [max(hyps, key=lambda h: h[0])[1] for hyps in finished]
 
 
 @torch.no_grad()
