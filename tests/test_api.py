@@ -26,7 +26,7 @@ from torch_handle.cli import main
 from torch_handle.errors import SetupError
 from torch_handle.export import Decoding, export
 from torch_handle.hierarchical import generate_summaries, summarize
-from torch_handle.model import CompiledDecode
+from torch_handle.model import CompiledDecode, Transformer, TransformerConfig
 from torch_handle.model.logits import DecodingControls
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -336,3 +336,16 @@ def test_translate_on_a_gpu_writes_what_the_cpu_writes(exported: Path) -> None:
     on_gpu = torch_handle.load(exported, device="cuda")
     assert on_gpu.device.type == "cuda"
     assert on_gpu.translate(SENTENCES) == torch_handle.load(exported).translate(SENTENCES)
+
+
+def test_do_sample_false_turns_off_a_files_sampling_defaults() -> None:
+    """A folder whose generation config samples (top_k 50): ``do_sample=False`` decodes greedily, with no
+    "top_k=50 acts only when sampling" error; a knob passed beside it is still refused in one line."""
+    sizes = {"d_model": 16, "num_heads": 2, "d_ff": 32, "num_encoder_layers": 1, "num_decoder_layers": 1}
+    model = Transformer(TransformerConfig(src_vocab_size=20, tgt_vocab_size=20, **sizes))
+    sampling = Decoding(do_sample=True, temperature=0.7, top_k=50, top_p=0.9, no_repeat_ngram_size=3)
+    loaded = Model(model, None, sampling)  # type: ignore[arg-type] - options are checked without the tokenizer
+    options = loaded._options(None, None, None, {"do_sample": False})
+    assert options["controls"] == DecodingControls(no_repeat_ngram_size=3)
+    with pytest.raises(ValueError, match=r"^top_k=5 acts only when sampling: pass do_sample=True too$"):
+        loaded._options(None, None, None, {"do_sample": False, "top_k": 5})

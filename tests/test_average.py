@@ -86,6 +86,25 @@ def test_last_n_takes_the_highest_steps_and_last_ckpt_once(tmp_path: Path) -> No
         last_checkpoints(tmp_path / "run", 5)
 
 
+def test_last_n_skips_an_earlier_average_and_the_average_holds_no_resume_state(tmp_path: Path) -> None:
+    """``--last N --out RUN/checkpoints/averaged.ckpt`` twice: the second run averages the same inputs, not the first
+    average (same newest step, sorted first); callbacks' state (EMA's model copy) is resume state, not written."""
+    folder = tmp_path / "run" / "checkpoints"
+    folder.mkdir(parents=True)
+    for step in (10, 20):
+        _checkpoint(folder / f"epoch={step // 10}-step={step}.ckpt", step=step, seed=step)
+    state = torch.load(folder / "epoch=2-step=20.ckpt", weights_only=True)
+    torch.save(
+        state | {"callbacks": {"EMA": {"current_model_state": {}}}, "loops": {}}, folder / "epoch=2-step=20.ckpt"
+    )
+    inputs = [folder / "epoch=1-step=10.ckpt", folder / "epoch=2-step=20.ckpt"]
+    assert last_checkpoints(folder, 2) == inputs
+    write_average(inputs, folder / "averaged.ckpt")
+    assert last_checkpoints(folder, 2) == inputs
+    averaged = torch.load(folder / "averaged.ckpt", weights_only=True)
+    assert averaged["global_step"] == 20 and not {"callbacks", "loops", "optimizer_states"} & averaged.keys()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_averaged_checkpoint_tests_exports_and_loads(tiny_demo_run: Path, tmp_path: Path) -> None:

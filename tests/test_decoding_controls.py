@@ -197,6 +197,17 @@ def test_a_seed_repeats_a_sample_in_any_batch_and_other_seeds_differ(beams: int)
     assert _ours(model, src, dataclasses.replace(controls, seed=None), beams) != first
 
 
+@pytest.mark.parametrize("name", ["deterministic, all", "sampling, all"])
+@pytest.mark.parametrize("beams", [1, 3])
+def test_decoding_leaves_torch_random_stream_untouched(name: str, beams: int) -> None:
+    """Validation's generate calls (seed None) draw nothing from torch's global generator, sampling or not: training's
+    random stream, and so its dropout, is the same with or without them, on every rank."""
+    model, src = _model(), _sources()
+    before = torch.random.get_rng_state()
+    _ours(model, src, CONTROLS[name], beams)
+    assert torch.equal(torch.random.get_rng_state(), before)
+
+
 def test_sampling_draws_each_token_with_its_probability() -> None:
     """Gumbel noise hashed from the source, step and candidate: over many sources, the share of each token drawn is
     its softmax probability after the temperature and top-k."""

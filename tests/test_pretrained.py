@@ -2,28 +2,29 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
 from pathlib import Path
 
 import pytest
 import torch
+import transformers
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import models, pre_tokenizers, processors
 
-transformers = pytest.importorskip("transformers")
-from tokenizers import Tokenizer as HFTokenizer  # noqa: E402
-from tokenizers import models, pre_tokenizers, processors  # noqa: E402
-
-import torch_handle  # noqa: E402
-from tests.test_hostile_files import SHAPES  # noqa: E402
-from torch_handle.checkpoints import CheckpointError  # noqa: E402
-from torch_handle.cli import main  # noqa: E402
-from torch_handle.ctranslate2 import ExportError  # noqa: E402
-from torch_handle.data.batching import Collator, Example  # noqa: E402
-from torch_handle.data.tokenizer import Tokenizer  # noqa: E402
-from torch_handle.export import main as export_main  # noqa: E402
-from torch_handle.model import Transformer, TransformerConfig, generate  # noqa: E402
-from torch_handle.module import Seq2SeqModule  # noqa: E402
-from torch_handle.pretrained import load_pretrained, pretrained_tokenizer  # noqa: E402
-from torch_handle.pretrained.writer import write_hf  # noqa: E402
+import torch_handle
+from tests.test_hostile_files import SHAPES
+from torch_handle.checkpoints import CheckpointError
+from torch_handle.cli import main
+from torch_handle.ctranslate2 import ExportError
+from torch_handle.data.batching import Collator, Example
+from torch_handle.data.tokenizer import Tokenizer
+from torch_handle.export import main as export_main
+from torch_handle.model import Transformer, TransformerConfig, generate
+from torch_handle.module import Seq2SeqModule
+from torch_handle.pretrained import load_pretrained, pretrained_tokenizer
+from torch_handle.pretrained.writer import write_hf
 
 WORDS = [f"w{i}" for i in range(120)]
 TEXTS = ["w1 w2 w3", "w5", "w7 w8 w9 w10 w11 w12 w13", "w20 w21 w22 w23", "w40 w41"]
@@ -176,6 +177,23 @@ def test_generation_config_controls_match_transformers(family: str, num_beams: i
     assert texts == [t.strip() for t in tok.batch_decode(expected, skip_special_tokens=True)]
 
 
+def test_decoding_defaults_fall_back_to_config_json(tmp_path: Path) -> None:
+    """A folder without ``generation_config.json`` (bart-large-cnn's) keeps its decoding defaults in config.json."""
+    _save("bart", "safetensors", tmp_path)
+    (tmp_path / "generation_config.json").unlink()
+    config = json.loads((tmp_path / "config.json").read_text())
+    config |= {"num_beams": 3, "max_length": 9, "length_penalty": 2.0, "no_repeat_ngram_size": 3, "min_length": 4}
+    (tmp_path / "config.json").write_text(json.dumps(config | {"do_sample": True, "top_k": 7}))
+    decoding = load_pretrained(tmp_path)[2]
+    assert (decoding.num_beams, decoding.max_new_tokens, decoding.length_penalty) == (3, 8, 2.0)
+    assert (decoding.no_repeat_ngram_size, decoding.min_new_tokens, decoding.do_sample, decoding.top_k) == (
+        3,
+        3,
+        True,
+        7,
+    )
+
+
 def test_unsupported_model_type_is_one_line(tmp_path: Path) -> None:
     _save("bart", "safetensors", tmp_path)
     config = (tmp_path / "config.json").read_text().replace('"model_type": "bart"', '"model_type": "t5"')
@@ -288,6 +306,23 @@ def test_hf_export_round_trips_through_transformers(family: str, tmp_path: Path)
     assert torch.equal(back_tok(TEXTS, return_tensors="pt", padding=True)["input_ids"], batch["input_ids"])
     for num_beams in (1, 4):
         assert torch.equal(back.generate(**batch, num_beams=num_beams), hf.generate(**batch, num_beams=num_beams))
+
+
+@pytest.mark.parametrize(
+    "controls",
+    [
+        {"no_repeat_ngram_size": 3, "repetition_penalty": 1.3, "min_new_tokens": 4},
+        {"min_new_tokens": 2, "do_sample": True, "temperature": 0.7, "top_k": 5, "top_p": 0.9},
+    ],
+    ids=["beam-controls", "sampling"],
+)
+def test_hf_export_keeps_the_decoding_controls(controls: dict[str, object], tmp_path: Path) -> None:
+    """import -> export --format hf -> import decodes with the same controls."""
+    _save("bart", "safetensors", tmp_path / "in")
+    model, tokenizer, decoding = load_pretrained(tmp_path / "in")
+    decoding = dataclasses.replace(decoding, **controls)
+    write_hf(model, tokenizer, decoding, tmp_path / "out")
+    assert load_pretrained(tmp_path / "out")[2].controls() == decoding.controls()
 
 
 def test_hf_export_names_the_obstacle(tmp_path: Path) -> None:

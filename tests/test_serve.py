@@ -102,7 +102,25 @@ def test_a_slow_client_does_not_block_others(server: str, expected: dict[str, st
         ({"texts": ["a" * 501]}, 422, "texts[0] has 501 characters, more than the limit of 500"),
         ({"texts": ["a"] * 9}, 422, "9 texts, more than the 8 one request may send"),
         ({"texts": ["a"], "num_beams": 0}, 422, "num_beams: Input should be greater than or equal to 1"),
-        ({"texts": ["a"], "max_new_tokens": 10**6}, 422, "max_new_tokens=1000000 does not fit the model: pass at most"),
+        ({"texts": ["a"], "max_new_tokens": 10**6}, 422, "max_new_tokens=1000000 is over this server's limit: pass"),
+        pytest.param(
+            {"texts": ["a"], "max_new_tokens": 9},
+            422,
+            "max_new_tokens=9 is over this server's limit: pass at most 8",
+            id="over-the-model-default",
+        ),
+        pytest.param(
+            {"texts": ["a"], "max_new_tokens": 2 * 10**9},
+            422,
+            "max_new_tokens=2000000000 is over this server's limit",
+            id="huge-max-new-tokens",
+        ),
+        pytest.param(
+            b'{"texts": ["' + b"a" * 100_000 + b'"]}',
+            413,
+            "the body is over 89536 bytes: send fewer or shorter texts",
+            id="huge-body",
+        ),
     ],
 )
 def test_bad_input_gets_one_4xx_line_and_the_server_keeps_serving(
@@ -136,5 +154,8 @@ def test_requests_are_checked_against_the_server_limits(monkeypatch: pytest.Monk
     assert TextsRequest(texts=["a", "b"], max_new_tokens=10).options() == (None, 10, None)
     with pytest.raises(ValueError, match="3 texts, more than the 2 one request may send"):
         TextsRequest(texts=["a", "b", "c"])
-    with pytest.raises(ValueError, match="max_new_tokens=11 does not fit the model: pass at most 10"):
+    with pytest.raises(ValueError, match="max_new_tokens=11 is over this server's limit: pass at most 10"):
         TextsRequest(texts=["a"], max_new_tokens=11)
+    monkeypatch.setattr(LIMITS, "lowered_default", 10)  # --max-new-tokens below the model's own default
+    assert TextsRequest(texts=["a"]).options() == (None, 10, None)
+    assert TextsRequest(texts=["a"], max_new_tokens=4).options() == (None, 4, None)

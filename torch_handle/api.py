@@ -179,7 +179,7 @@ class Model:
             "num_beams": d.num_beams if num_beams is None else num_beams,
             "max_new_tokens": d.max_new_tokens if max_new_tokens is None else max_new_tokens,
             "length_penalty": d.length_penalty if length_penalty is None else length_penalty,
-            "controls": dataclasses.replace(d.controls(), **controls),
+            "controls": dataclasses.replace(d.controls(), **_sampling_off(controls)),
         }
         context = self.model.config.context_length
         if context is not None and options["max_new_tokens"] + 1 > context:
@@ -221,6 +221,14 @@ class Model:
             return out[:rows]
 
         return generate_fn
+
+
+def _sampling_off(controls: dict[str, Any]) -> dict[str, Any]:
+    """``do_sample=False`` also turns off the sampling knobs a file's defaults set (a folder's ``top_k`` 50), which
+    act only when sampling; those passed beside it still reach the controls' own check."""
+    if controls.get("do_sample") is False:
+        return {"temperature": 1.0, "top_k": 0, "top_p": 1.0} | controls
+    return controls
 
 
 def load(

@@ -4,7 +4,7 @@ fairseq's checkpoint averaging (``scripts/average_checkpoints.py``), which publi
 their last few checkpoints: ``torch-handle average RUN --last 5 --out RUN/checkpoints/averaged.ckpt``, or
 ``torch-handle average A.ckpt B.ckpt ... --out FILE``. Every input is checked (:func:`check_checkpoint`: loading it
 runs no code) and must hold the same tensors with the same shapes; the output is the newest input's Lightning
-checkpoint with its ``state_dict`` averaged and without optimizer state (like ``save_weights_only``), so ``test``,
+checkpoint with its ``state_dict`` averaged and without resume state (like ``save_weights_only``), so ``test``,
 ``predict``, ``export`` and ``torch_handle.load`` take it.
 """
 
@@ -25,7 +25,8 @@ from torch_handle.checkpoints import CONFIG_FILE, TOKENIZER_FILE, CheckpointErro
 from torch_handle.commands import typed_command
 
 log = logging.getLogger(__name__)
-OPTIMIZER_FIELDS = ("optimizer_states", "lr_schedulers")  # state of the inputs' optimizer, not of their mean
+# Resume state of the newest input (its optimizer, its callbacks' such as EMA's model copy, its loops), not of the mean.
+RESUME_FIELDS = ("optimizer_states", "lr_schedulers", "callbacks", "loops")
 
 
 def _load(path: Path) -> dict[str, Any]:
@@ -88,13 +89,14 @@ def average_checkpoints(paths: Sequence[str | Path]) -> dict[str, Any]:
         name: (total / len(paths)).to(first[name].dtype) if first[name].is_floating_point() else total
         for name, total in sums.items()
     }
-    fields = {key: value for key, value in newest.items() if key not in OPTIMIZER_FIELDS}
+    fields = {key: value for key, value in newest.items() if key not in RESUME_FIELDS}
     return {**fields, "state_dict": averaged, "averaged_from": [str(p) for p in paths]}
 
 
 def last_checkpoints(run: str | Path, n: int) -> list[Path]:
     """The ``n`` single-file checkpoints of a run folder (or its ``checkpoints/``) at the highest training steps, oldest
-    first; ``last.ckpt`` counts as the step it holds, once (a named checkpoint of the same step is taken instead)."""
+    first; ``last.ckpt`` counts as the step it holds, once (a named checkpoint of the same step is taken instead), and
+    an earlier average written there (it holds ``averaged_from``) is no input."""
     run = Path(run)
     folder = run / "checkpoints" if (run / "checkpoints").is_dir() else run
     if not folder.is_dir():
@@ -103,7 +105,9 @@ def last_checkpoints(run: str | Path, n: int) -> list[Path]:
     for path in sorted(folder.glob("*.ckpt"), key=lambda p: (p.name.startswith("last"), p.name)):
         if path.name.startswith(".") or not path.is_file():
             continue
-        by_step.setdefault(int(_load(path).get("global_step", -1)), path)
+        state = _load(path)
+        if "averaged_from" not in state:
+            by_step.setdefault(int(state.get("global_step", -1)), path)
     if len(by_step) < n:
         raise CheckpointError(
             f"--last {n}: {folder} holds {len(by_step)} checkpoints of distinct steps: keep more while training "

@@ -30,18 +30,34 @@ def serve(
     max_texts: int = 64,
     max_chars: int = 20_000,
     accelerator: str = "auto",
+    max_new_tokens: int | None = None,
 ) -> None:
-    """Serves ``model`` until interrupted; the model is loaded once here first, so a bad path is one error line."""
+    """Serves ``model`` until interrupted; the model is loaded once here first, so a bad path is one error line.
+
+    A request may ask for at most ``max_new_tokens`` (default: the model's own decoding default), within its context.
+    """
     if not LITSERVE_AVAILABLE:
         raise SetupError('torch-handle serve needs litserve: pip install "torch-handle[serve]"')
     if max_batch_size < 1 or batch_timeout < 0 or max_texts < 1 or max_chars < 1:
         raise SetupError("--max-batch-size, --max-texts and --max-chars must be >= 1, --batch-timeout >= 0")
+    if max_new_tokens is not None and max_new_tokens < 1:
+        raise SetupError(f"--max-new-tokens {max_new_tokens}: pass a number >= 1")
     from torch_handle.api import load
     from torch_handle.server import LIMITS, build_server
 
-    context = load(model).model.config.context_length
-    LIMITS.max_texts, LIMITS.max_chars = max_texts, max_chars
-    LIMITS.max_new_tokens = None if context is None else context - 1
+    loaded = load(model)
+    context = loaded.model.config.context_length
+    fits = None if context is None else context - 1  # <bos> takes a position
+    if max_new_tokens is not None and fits is not None and max_new_tokens > fits:
+        raise SetupError(
+            f"--max-new-tokens {max_new_tokens} does not fit the model's max_len={context}: pass <= {fits}"
+        )
+    default = loaded.decoding.max_new_tokens
+    cap = default if max_new_tokens is None else max_new_tokens
+    cap = cap if fits is None else min(cap, fits)
+    LIMITS.max_texts, LIMITS.max_chars, LIMITS.max_new_tokens = max_texts, max_chars, cap
+    LIMITS.lowered_default = cap if cap < default else None
+    LIMITS.max_body_bytes = 6 * max_texts * max_chars + 65_536
     server = build_server(model, max_batch_size, batch_timeout, accelerator)
     log.info("serving %s on http://%s:%d (POST /translate, /summarize; GET /health, /docs)", model, host, port)
     server.run(host=host, port=port, generate_client_file=False, log_level="info")
@@ -58,6 +74,9 @@ def main(args: list[str] | None = None) -> None:
     )
     parser.add_argument("--max-texts", type=int, default=64, help="texts one request may send at most")
     parser.add_argument("--max-chars", type=int, default=20_000, help="characters one text may have at most")
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=None, help="longest output a request may ask (default: the model's own)"
+    )
     parser.add_argument("--accelerator", default="auto", choices=("auto", "cpu", "cuda"), help="where to decode")
     options = parser.parse_args(args)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -71,6 +90,7 @@ def main(args: list[str] | None = None) -> None:
             options.max_texts,
             options.max_chars,
             options.accelerator,
+            options.max_new_tokens,
         )
     except (CheckpointError, SetupError) as err:
         raise SystemExit(f"error: {err}") from err

@@ -26,7 +26,9 @@ class Limits:
 
     max_texts: int = 64
     max_chars: int = 20_000
-    max_new_tokens: int | None = None  # the model's context less <bos>; None: no limit (rotary positions)
+    max_new_tokens: int = 256  # the model's own default or --max-new-tokens, within its context less <bos>
+    lowered_default: int | None = None  # --max-new-tokens, where it is below the model's own default
+    max_body_bytes: int = 64 * 20_000 * 6 + 65_536  # every text at its longest, each character \u-escaped
 
 
 LIMITS = Limits()
@@ -48,12 +50,14 @@ class TextsRequest(BaseModel):
             if len(text) > LIMITS.max_chars:
                 raise ValueError(f"texts[{i}] has {len(text)} characters, more than the limit of {LIMITS.max_chars}")
         limit = LIMITS.max_new_tokens
-        if limit is not None and self.max_new_tokens is not None and self.max_new_tokens > limit:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens} does not fit the model: pass at most {limit}")
+        if self.max_new_tokens is not None and self.max_new_tokens > limit:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} is over this server's limit: pass at most {limit}")
         return self
 
     def options(self) -> tuple[int | None, int | None, float | None]:
-        return self.num_beams, self.max_new_tokens, self.length_penalty
+        """The decoding options; ``max_new_tokens`` left out is the model's default, or the server's lower cap."""
+        max_new_tokens = LIMITS.lowered_default if self.max_new_tokens is None else self.max_new_tokens
+        return self.num_beams, max_new_tokens, self.length_penalty
 
 
 class Translations(BaseModel):
@@ -138,6 +142,38 @@ async def one_line_error(request: Request, error: RequestValidationError) -> JSO
     return JSONResponse({"detail": f"{where}: {message}" if where else message}, status_code=422)
 
 
+class BodyLimit:
+    """ASGI middleware: a 413 line for a body over ``LIMITS.max_body_bytes``, read no further than the limit, so a
+    large body is never held whole; a body within it is replayed to the endpoint."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit = LIMITS.max_body_bytes
+        detail = f"the body is over {limit} bytes: send fewer or shorter texts"
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > limit:
+            return await JSONResponse({"detail": detail}, status_code=413)(scope, receive, send)
+        messages, size = [], 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            size += len(message.get("body", b""))
+            if size > limit:
+                return await JSONResponse({"detail": detail}, status_code=413)(scope, receive, send)
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                break
+        pending = iter(messages)
+
+        async def replay() -> dict:
+            return next(pending, None) or await receive()
+
+        return await self.app(scope, replay, send)
+
+
 def build_server(model_path: str, max_batch_size: int, batch_timeout: float, accelerator: str = "auto") -> ls.LitServer:
     """A LitServer with ``/translate`` and ``/summarize`` (one worker each), ``/health`` and OpenAPI docs."""
     apis = [
@@ -146,4 +182,5 @@ def build_server(model_path: str, max_batch_size: int, batch_timeout: float, acc
     ]
     server = ls.LitServer(apis, accelerator=accelerator, devices=1, workers_per_device=1, timeout=600)
     server.app.add_exception_handler(RequestValidationError, one_line_error)
+    server.app.add_middleware(BodyLimit)
     return server

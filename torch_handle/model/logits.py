@@ -14,6 +14,7 @@ gets the same output whatever batch, process or device decodes it, with no gener
 from __future__ import annotations
 
 import dataclasses
+import secrets
 
 import torch
 from torch import Tensor
@@ -36,7 +37,8 @@ class DecodingControls:
         top_k: Sampling keeps the ``top_k`` best tokens only (0 = off).
         top_p: Sampling keeps the fewest best tokens whose probabilities add up to ``top_p`` (1 = off).
         seed: Seeds the draws; the same seed and source give the same output on any batch, process count or
-            device. None draws a seed from torch's global generator at each call.
+            device. None draws a fresh seed from the operating system at each sampling call (``secrets``), never
+            from torch's global generator, so that decoding during training leaves its random stream as it was.
     """
 
     no_repeat_ngram_size: int = 0
@@ -74,8 +76,10 @@ class DecodingControls:
         """The controls for one call decoding ``src (B, S)``; None when none is set, so that a step checks one None."""
         if not self.active:
             return None
-        seed = self.seed if self.seed is not None else int(torch.randint(2**62, ()).item())
-        return StepControls(self, _row_keys(src, pad_id, seed) if self.do_sample else None, bos_id, eos_id)
+        if not self.do_sample:
+            return StepControls(self, None, bos_id, eos_id)
+        seed = self.seed if self.seed is not None else secrets.randbits(62)
+        return StepControls(self, _row_keys(src, pad_id, seed), bos_id, eos_id)
 
 
 def process_scores(controls: DecodingControls, tokens: Tensor, scores: Tensor, eos_id: int, beams: bool) -> Tensor:

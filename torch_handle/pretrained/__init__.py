@@ -36,6 +36,10 @@ FAMILIES: dict[str, Callable[[dict[str, Any], dict[str, Any]], TransformerConfig
     "marian": marian.config,
     "pegasus": marian.config,
 }
+_DECODING = (  # the decoding defaults read, from generation_config.json or else from config.json
+    "num_beams", "max_length", "length_penalty", "no_repeat_ngram_size", "repetition_penalty", "min_length",
+    "min_new_tokens", "do_sample", "temperature", "top_k", "top_p",
+)  # fmt: skip
 _TASKS = {"marian": "translation"}  # what ``Model.summarize``'s long-document path and ``test`` assume
 
 
@@ -53,14 +57,15 @@ def pretrained_config(folder: Path) -> tuple[TransformerConfig, Decoding, dict[s
     except (ConfigError, KeyError, TypeError) as err:
         reason = f"config.json lacks {err}" if isinstance(err, KeyError) else str(err)
         raise CheckpointError(f"{folder}: {reason}") from None
-    max_length = generation.get("max_length", 20)  # transformers' default; it counts the decoder's start token
+    given = {name: hf[name] for name in _DECODING if name in hf} | generation  # older folders keep them in config.json
+    max_length = given.get("max_length", 20)  # transformers' default; it counts the decoder's start token
     decoding = Decoding(
         task=_TASKS.get(hf["model_type"], "summarization"),
         max_source_tokens=config.max_len,
-        num_beams=generation.get("num_beams", 1),
+        num_beams=given.get("num_beams", 1),
         max_new_tokens=min(max_length, config.max_len) - 1,
-        length_penalty=generation.get("length_penalty", 1.0),
-        **generation_controls(generation),
+        length_penalty=given.get("length_penalty", 1.0),
+        **generation_controls(given),
     )
     return config, decoding, generation
 

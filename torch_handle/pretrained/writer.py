@@ -109,7 +109,13 @@ def _generation_json(config: TransformerConfig, decoding: Decoding) -> dict[str,
         "max_length": decoding.max_new_tokens + 1,  # transformers counts the decoder's start token
         "length_penalty": decoding.length_penalty,
         "early_stopping": True,  # our beam search: a source is done once it holds num_beams hypotheses
+        "no_repeat_ngram_size": decoding.no_repeat_ngram_size,
+        "repetition_penalty": decoding.repetition_penalty,
+        "min_length": decoding.min_new_tokens + 1 if decoding.min_new_tokens else None,  # counts the start token
     }
+    if decoding.do_sample:
+        generation |= {"do_sample": True, "temperature": decoding.temperature, "top_k": decoding.top_k}
+        generation["top_p"] = decoding.top_p
     if config.suppressed:
         generation["bad_words_ids"] = [[token] for token in config.suppressed]
     return {k: v for k, v in generation.items() if v is not None}
