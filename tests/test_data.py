@@ -1,12 +1,14 @@
 """Tokenizer, batching, collation, DataModules and bad-input errors of ``torch_handle.data``."""
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
 from conftest import tiny_config
+from tokenizers import Tokenizer as _HFTokenizer
 
 from torch_handle.data import (
     BOS_ID,
@@ -24,6 +26,7 @@ from torch_handle.data import (
     demo_corpus,
 )
 from torch_handle.data.io import read_lines
+from torch_handle.data.tokenizer import Specials, read_tokenizer
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 MULTI30K = DATA / "multi30k"
@@ -108,6 +111,46 @@ def test_tokenizer_file_errors(tmp_path: Path) -> None:
     with pytest.raises(DataError) as err:
         Tokenizer.from_file(bad)
     _assert_one_line_error(err, "bad.json", "not a torch-handle tokenizer")
+
+
+def _wordpiece_with_a_gap() -> str:
+    """A WordPiece tokenizer whose ids skip 2, as ``tokenizers`` accepts."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models
+
+    return Backend(models.WordPiece({"[PAD]": 0, "[UNK]": 1, "x": 3}, unk_token="[UNK]")).to_str()
+
+
+def _unigram_with_a_repeated_piece() -> str:
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models
+
+    return Backend(models.Unigram([("<unk>", 0.0), ("a", -1.0), ("a", -2.0), ("b", -1.5)], unk_id=0)).to_str()
+
+
+@pytest.mark.parametrize("build", [_wordpiece_with_a_gap, _unigram_with_a_repeated_piece])
+def test_tokenizer_ids_with_gaps_or_repeats_load(build: Callable[[], str], tmp_path: Path) -> None:
+    """The id check bounds ids, not their count: what ``tokenizers`` accepts loads, in both readers."""
+    json_str = build()
+    expected = _HFTokenizer.from_str(json_str).encode("x a b").ids
+    wrapped = json.dumps({"torch_handle_specials": {"pad_id": 0, "bos_id": 0, "eos_id": 1}, "tokenizer": json_str})
+    assert Tokenizer.from_str(wrapped).backend.encode("x a b").ids == expected
+    (tmp_path / "tokenizer.json").write_text(json_str, encoding="utf-8")
+    assert read_tokenizer(tmp_path, Specials(0, 0, 1)).backend.encode("x a b").ids == expected
+
+
+def test_pretrained_tokenizer_with_a_huge_id_is_one_line(small_tokenizer: Tokenizer, tmp_path: Path) -> None:
+    """A Hugging Face folder's tokenizer.json is id-checked before the Rust library sizes a table by its ids."""
+    data = json.loads(small_tokenizer.to_str())
+    token = next(token for token, id_ in data["model"]["vocab"].items() if id_ == 100)
+    data["model"]["vocab"][token] = 1_500_000_000
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(data), encoding="utf-8")
+    with pytest.raises(DataError) as err:
+        read_tokenizer(tmp_path, Specials())
+    assert str(err.value) == (
+        f"{path} is not a tokenizer: not a tokenizer JSON (token {token!r} has id 1500000000, outside 0-16777215)"
+    )
 
 
 # --- batch sampler -----------------------------------------------------------------------------------------

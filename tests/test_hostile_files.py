@@ -295,3 +295,63 @@ def test_an_export_claiming_a_huge_model_is_refused_before_building_it(
             read(forged)
         _one_line(str(error.value), forged)
         assert "does not match its model config" in str(error.value)
+
+
+# --- a .metadata pickle cannot reach past its allowed classes -----------------------------------------------------
+
+
+def _dcp_folder_with_dotted_metadata(tmp_path: Path) -> tuple[Path, Path]:
+    """A one-process distributed checkpoint whose ``.metadata`` names ``io.FileIO`` through ``pathlib`` (a protocol 4
+    dotted name under an allowed module) to create ``marker``."""
+    import torch.distributed.checkpoint as dcp
+
+    folder, marker = tmp_path / "last.ckpt", tmp_path / "created"
+    dcp.save({"w": torch.zeros(2), "n": 3}, checkpoint_id=folder, no_dist=True)
+    path = str(marker).encode()
+    hostile = b"\x80\x04cpathlib\nio.FileIO\n(X" + len(path).to_bytes(4, "little") + path + b"X\x02\x00\x00\x00wbtR."
+    (folder / ".metadata").write_bytes(hostile)
+    return folder, marker
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_dotted_name_in_metadata_is_refused_by_the_check(tmp_path: Path) -> None:
+    folder, marker = _dcp_folder_with_dotted_metadata(tmp_path)
+    message = _check(folder, tmp_path)
+    assert not marker.exists(), "the payload ran"
+    _one_line(message, folder)
+    assert "'pathlib.io.FileIO' is not checkpoint metadata" in message and "could run code" in message, message
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_dotted_name_in_metadata_is_refused_by_the_guard_alone(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from torch_handle.unpickling import unpickling_only_data
+
+    folder, marker = _dcp_folder_with_dotted_metadata(tmp_path)
+    with pytest.raises(CheckpointError) as error, unpickling_only_data(folder):
+        dcp.load({"w": torch.zeros(2)}, checkpoint_id=folder, no_dist=True)
+    assert not marker.exists(), "the payload ran"
+    _one_line(str(error.value), folder)
+    assert "weights-only loading refuses ('pathlib.io.FileIO' is not checkpoint metadata)" in str(error.value)
+
+
+def test_a_compressed_pickle_member_is_refused_unread(tmp_path: Path) -> None:
+    """A deflated ``data.pkl`` could inflate without bound; torch.save stores its pickles, so one is refused before
+    it is read, by the check and by the export's reader alike."""
+    import zipfile
+
+    from torch_handle.unpickling import archive_pickles, data_pickle
+
+    ckpt = tmp_path / "bomb.ckpt"
+    with zipfile.ZipFile(ckpt, "w", zipfile.ZIP_DEFLATED) as zipped:
+        zipped.writestr("archive/data.pkl", pickle.dumps({"state_dict": {}}) + b"\0" * 1_000_000)
+    assert data_pickle(ckpt) is None
+    with pytest.raises(CheckpointError) as error:
+        list(archive_pickles(ckpt, ckpt, ckpt))
+    assert str(error.value) == (
+        f"{ckpt} is truncated or corrupt (an archive that does not read: its pickle archive/data.pkl is compressed or "
+        f"larger than the archive, as torch.save never writes one): checkpoint {ckpt} is damaged (an interrupted copy "
+        "or save?); pass another checkpoint"
+    )
+    _one_line(_check(ckpt, tmp_path), ckpt)

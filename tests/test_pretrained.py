@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from safetensors import safe_open
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers, processors
 
@@ -210,11 +211,54 @@ def test_wrong_shape_names_the_tensor(tmp_path: Path) -> None:
         load_pretrained(tmp_path)
 
 
+def test_a_config_claiming_a_huge_model_is_refused_before_building_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forged ``d_model`` (hundreds of GB of parameters) over tiny weights is counted on the meta device and
+    refused; no Transformer of real memory is built."""
+    _save("bart", "safetensors", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "d_model": 65536}))
+
+    def never(config: TransformerConfig) -> Transformer:
+        raise AssertionError(f"a Transformer of d_model {config.d_model} was built")
+
+    monkeypatch.setattr(torch_handle.pretrained, "Transformer", never)
+    held = (tmp_path / "model.safetensors").stat().st_size
+    with pytest.raises(CheckpointError) as error:
+        load_pretrained(tmp_path)
+    assert re.fullmatch(
+        rf"{re.escape(str(tmp_path))}: config.json describes \d+ parameters, more than its weight files' {held} "
+        "bytes hold: refused; pass the config.json save_pretrained wrote with these weights",
+        str(error.value),
+    ), str(error.value)
+
+
 def test_a_bin_that_is_not_a_zip_archive_is_refused(tmp_path: Path) -> None:
     _save("bart", "bin", tmp_path)
     (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x02cos\nsystem\n.")  # an old-style pickle
     with pytest.raises(CheckpointError, match="pytorch_model.bin is not a torch.save zip archive"):
         load_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("outside", ["../outside.safetensors", "ABSOLUTE"])
+def test_an_index_pointing_outside_the_folder_is_refused(outside: str, tmp_path: Path) -> None:
+    """A shard named ``../x`` or by an absolute path would read weights from outside the folder."""
+    folder = tmp_path / "model"
+    _save("bart", "safetensors", folder)
+    shard = tmp_path / "outside.safetensors"
+    (folder / "model.safetensors").rename(shard)
+    outside = str(shard) if outside == "ABSOLUTE" else outside
+    with safe_open(shard, framework="pt") as f:
+        names = list(f.keys())
+    index = folder / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": dict.fromkeys(names, outside)}))
+    with pytest.raises(CheckpointError) as error:
+        load_pretrained(folder)
+    assert str(error.value) == (
+        f"{index} lists the shard {outside!r}, which is not a file of {folder}: refused; "
+        "pass a folder written by save_pretrained"
+    )
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))

@@ -112,6 +112,16 @@ def test_resume_hands_back_the_recorded_run_ids(tmp_path: Path, monkeypatch: pyt
     assert fresh.trainer.logger.init_args.tracking_uri == "http://127.0.0.1:5000"
 
 
+@pytest.mark.parametrize("text", ['["abc"]', '{"mlflow": 3}', "{not json"])
+def test_a_malformed_run_ids_file_is_one_line(text: str, tmp_path: Path) -> None:
+    (tmp_path / tracking.RUN_IDS).write_text(text)
+    with pytest.raises(SetupError) as error:
+        tracking.configure_trackers(logger_config(tmp_path, "MLFlowLogger"), resume=True)
+    assert str(error.value) == (
+        f"{tmp_path / tracking.RUN_IDS} is not a JSON object of tracker run ids (strings): delete it to start new runs"
+    )
+
+
 @pytest.mark.parametrize(("logger", "extra"), [("MLFlowLogger", "mlflow"), ("WandbLogger", "wandb")])
 def test_missing_extra_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, logger: str, extra: str) -> None:
     monkeypatch.setattr(tracking, "RequirementCache", lambda package: False)

@@ -207,7 +207,7 @@ def read_model(checkpoint: str | Path) -> tuple[dict[str, Tensor], TransformerCo
         for k, v in state["state_dict"].items()
         if k.startswith(MODEL_PREFIX)
     }
-    shell = _shell(config)
+    shell = meta_shell(config)
     weights = {k: v.clone() for k, v in with_tied_weights(weights, shell).items()}  # DeepSpeed keeps one name
     problems = _mismatches(shell, {name: tuple(weight.shape) for name, weight in weights.items()})
     if problems:  # here, not at load time
@@ -263,13 +263,13 @@ def exported_metadata(path: str | Path) -> tuple[TransformerConfig, Tokenizer]:
         tokenizer = Tokenizer.from_str(metadata["tokenizer"])
     except Exception as err:  # KeyError, or whatever the tokenizers library raises on bad JSON
         raise CheckpointError(f"{path} holds no valid tokenizer ({_one_line(err)}): {redo}") from err
-    problems = _mismatches(_shell(config), shapes)
+    problems = _mismatches(meta_shell(config), shapes)
     if problems:
         raise CheckpointError(f"{path} does not match its model config ({problems}): {redo}")
     return config, tokenizer
 
 
-def _shell(config: TransformerConfig) -> Transformer:
+def meta_shell(config: TransformerConfig) -> Transformer:
     """The Transformer of ``config`` on the meta device: its names and shapes, with no memory behind them, so that a
     file is checked against the sizes its config claims before anything of those sizes is allocated."""
     with torch.device("meta"):

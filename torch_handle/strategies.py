@@ -439,7 +439,7 @@ class ModelParallelStrategy(_SafeFolders, _LightningModelParallelStrategy):
         check_checkpoint(path)
         if path.is_dir():  # one shard per process, read by parameter name
             with unpickling_only_data(path):
-                return self._load_sharded(path, weights_only)
+                return self._load_sharded(path)
         checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=True)
         module = self.lightning_module
         with torch.no_grad():
@@ -458,7 +458,7 @@ class ModelParallelStrategy(_SafeFolders, _LightningModelParallelStrategy):
         del checkpoint["state_dict"]
         return checkpoint
 
-    def _load_sharded(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
+    def _load_sharded(self, path: Path) -> dict[str, Any]:
         """A ``save_distributed_checkpoint`` folder into whatever this process holds (a pipeline stage, FSDP2 shards,
         the whole model), by parameter name: weights, then the optimizer states (none outside fit)."""
         module = self.lightning_module
@@ -480,7 +480,7 @@ class ModelParallelStrategy(_SafeFolders, _LightningModelParallelStrategy):
         module.load_state_dict(state["state_dict"], strict=module.strict_loading)
         for i, optimizer in enumerate(self.optimizers):
             set_optimizer_state_dict(module, optimizer, state[f"optimizer_{i}"], options=_SHARDED)
-        return torch.load(path / "meta.pt", weights_only=weights_only)
+        return torch.load(path / "meta.pt", weights_only=True)  # plain fields; nothing we load may run code
 
 
 # Sharded optimizer states keyed by parameter name, hyperparameters included ("param_groups.<name>.lr"), rather than by

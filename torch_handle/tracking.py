@@ -69,8 +69,17 @@ def configure_trackers(config: Namespace, resume: bool) -> None:
 
 
 def read_run_ids(root: Path) -> dict[str, str]:
+    """The run ids :func:`record_run_ids` wrote (none yet: empty); anything but an object of strings is one line."""
     path = root / RUN_IDS
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    if not path.is_file():
+        return {}
+    try:
+        ids = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        ids = None
+    if not isinstance(ids, dict) or not all(isinstance(v, str) for v in ids.values()):
+        raise SetupError(f"{path} is not a JSON object of tracker run ids (strings): delete it to start new runs")
+    return ids
 
 
 def is_tracker(logger: object) -> bool:

@@ -33,7 +33,16 @@ DEEPSPEED_GLOBALS = {
 # Opcodes that reach a callable other than through a literal GLOBAL name; torch.save never writes them.
 _OPAQUE_OPCODES = {"STACK_GLOBAL", "INST", "OBJ", "EXT1", "EXT2", "EXT4"}
 ARCHIVE_MAGIC = b"PK\x03\x04"  # torch.load's own test (serialization._is_zipfile): a zip header at byte 0
-_DCP_CLASS_MODULES = ("torch.distributed.checkpoint.", "pathlib")
+# The classes torch.distributed.checkpoint pickles into ``.metadata`` (besides torch's plain data): its metadata
+# dataclasses and enum, its file reader's storage record, and the checkpoint's path.
+DCP_CLASSES = {
+    "torch.distributed.checkpoint.metadata": (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+    ),
+    "torch.distributed.checkpoint.filesystem": ("_StorageInfo",),
+    "pathlib": ("PosixPath", "WindowsPath"),
+}  # fmt: skip
 
 
 def is_deepspeed_checkpoint(path: Path) -> bool:
@@ -123,11 +132,21 @@ def archive_pickles(archive: Path | bytes, file: Path, checkpoint: Path) -> Iter
     """The pickles of a ``torch.save`` archive (a file, or an item of a shard); tensor data is not read."""
     try:
         with zipfile.ZipFile(io.BytesIO(archive) if isinstance(archive, bytes) else archive) as zipped:
-            for name in zipped.namelist():
-                if name.endswith(".pkl"):
-                    yield zipped.read(name)
+            size = len(archive) if isinstance(archive, bytes) else archive.stat().st_size
+            for info in zipped.infolist():
+                if info.filename.endswith(".pkl"):
+                    yield _stored(zipped, info, size)
     except (zipfile.BadZipFile, OSError, ValueError) as err:
         raise damaged(file, checkpoint, f"is truncated or corrupt (an archive that does not read: {err})") from err
+
+
+def _stored(zipped: zipfile.ZipFile, info: zipfile.ZipInfo, size: int) -> bytes:
+    """A ``.pkl`` member, read only if stored uncompressed (as ``torch.save`` writes it) and no larger than the
+    archive of ``size`` bytes: a deflated member could inflate without bound."""
+    if info.compress_type != zipfile.ZIP_STORED or info.file_size > size:
+        raise ValueError(f"its pickle {info.filename} is compressed or larger than the archive, as torch.save never "
+                         "writes one")  # fmt: skip
+    return zipped.read(info.filename)
 
 
 def check_globals(pickled: bytes, file: Path, checkpoint: Path) -> None:
@@ -154,12 +173,11 @@ class MetadataUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         full = f"{module}.{name}"
-        if full in _get_allowed_globals():
-            return _get_allowed_globals()[full]
-        if module.startswith(_DCP_CLASS_MODULES) and not name.startswith("__"):
-            found = super().find_class(module, name)
-            if isinstance(found, type):  # a metadata dataclass or a path, never a function
-                return found
+        if "." not in name:  # a dotted name (protocol 4) would reach any attribute of the module
+            if full in _get_allowed_globals():
+                return _get_allowed_globals()[full]
+            if name in DCP_CLASSES.get(module, ()):
+                return super().find_class(module, name)
         raise NotMetadata(f"{full!r} is not checkpoint metadata")
 
 
@@ -187,7 +205,7 @@ def data_pickle(path: Path) -> bytes | None:
     try:
         with zipfile.ZipFile(path) as archive:
             names = [name for name in archive.namelist() if name.endswith("/data.pkl") or name == "data.pkl"]
-            return archive.read(names[0]) if len(names) == 1 else None
+            return _stored(archive, archive.getinfo(names[0]), path.stat().st_size) if len(names) == 1 else None
     except (zipfile.BadZipFile, OSError, ValueError):  # a damaged archive
         return None
 

@@ -18,6 +18,7 @@ log = logging.getLogger(__name__)
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
 _WRAPPED = '{"torch_handle_specials"'  # how to_str marks a pretrained tokenizer's JSON
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")  # in id order
+MAX_TOKEN_ID = 2**24 - 1  # far above any real vocabulary, far below an id whose table would exhaust memory
 
 
 @dataclass(frozen=True)
@@ -191,8 +192,8 @@ class Tokenizer:
 
 
 def _check_ids(json_str: str) -> None:
-    """Refuses token ids past the number of tokens: the Rust library sizes a table by the largest id, and one id
-    of 1.5e9 would abort the process allocating it."""
+    """Refuses token ids past :data:`MAX_TOKEN_ID`: the Rust library sizes a table by the largest id, and one id of
+    1.5e9 would abort the process allocating it. Gaps in the ids and repeated pieces are the library's to accept."""
     try:
         data = json.loads(json_str)
     except json.JSONDecodeError as err:
@@ -202,14 +203,12 @@ def _check_ids(json_str: str) -> None:
     model = data.get("model")
     vocab = model.get("vocab") if isinstance(model, dict) else None
     added = data.get("added_tokens")
-    if isinstance(vocab, list):  # a Unigram model's vocabulary: [token, score] pairs, ids by position
-        vocab = {str(entry[0]) if isinstance(entry, list) and entry else str(i): i for i, entry in enumerate(vocab)}
-    ids = dict(vocab) if isinstance(vocab, dict) else {}
+    ids = list(vocab.items()) if isinstance(vocab, dict) else []  # a Unigram list's ids are its positions
     if isinstance(added, list):
-        ids.update((token.get("content"), token.get("id")) for token in added if isinstance(token, dict))
-    for token, id_ in ids.items():
-        if not isinstance(id_, int) or isinstance(id_, bool) or not 0 <= id_ < len(ids):
-            raise DataError(f"not a tokenizer JSON (token {token!r} has id {id_!r}, outside 0-{len(ids) - 1})")
+        ids += [(token.get("content"), token.get("id")) for token in added if isinstance(token, dict)]
+    for token, id_ in ids:
+        if not isinstance(id_, int) or isinstance(id_, bool) or not 0 <= id_ <= MAX_TOKEN_ID:
+            raise DataError(f"not a tokenizer JSON (token {token!r} has id {id_!r}, outside 0-{MAX_TOKEN_ID})")
 
 
 def _until_eos(ids: Sequence[int], eos_id: int) -> list[int]:
@@ -227,9 +226,16 @@ def read_tokenizer(folder: Path, specials: Specials) -> Tokenizer:
             "(transformers.AutoTokenizer.from_pretrained(FOLDER).save_pretrained(FOLDER))"
         )
     try:
-        backend = _HFTokenizer.from_file(str(path))
+        json_str = path.read_text(encoding="utf-8")
+        _check_ids(json_str)
+        backend = _HFTokenizer.from_str(json_str)
+    except DataError as err:
+        raise DataError(f"{path} is not a tokenizer: {err}") from None
+    except UnicodeDecodeError as err:
+        raise DataError(f"{path} is not a tokenizer (not UTF-8 text: {err})") from None
     except Exception as err:  # the Rust binding raises a bare Exception
-        raise DataError(f"{path} is not a tokenizer ({str(err).splitlines()[0]})") from None
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise DataError(f"{path} is not a tokenizer ({reason})") from None
     wrapped = backend.encode("", add_special_tokens=True).ids  # e.g. BART's [<s>, </s>], Marian's [</s>]
     prefix = tuple(wrapped[: wrapped.index(specials.eos_id)] if specials.eos_id in wrapped else wrapped)
     return Tokenizer(backend, Specials(specials.pad_id, specials.bos_id, specials.eos_id, prefix, prefix))

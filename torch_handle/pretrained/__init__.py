@@ -14,7 +14,7 @@ from typing import Any
 
 from torch_handle.checkpoints import CheckpointError
 from torch_handle.data.tokenizer import Specials, Tokenizer, pretrained_tokenizer, read_tokenizer
-from torch_handle.export import Decoding
+from torch_handle.export import Decoding, meta_shell
 from torch_handle.model import Transformer
 from torch_handle.model.config import ConfigError, TransformerConfig
 from torch_handle.pretrained import bart, marian
@@ -25,6 +25,7 @@ from torch_handle.pretrained.reader import (
     is_pretrained_folder,
     read_json,
     read_weights,
+    weight_files,
 )
 
 __all__ = ["FAMILIES", "fill", "is_pretrained_folder", "load_pretrained", "pretrained_config", "pretrained_tokenizer"]
@@ -57,6 +58,7 @@ def pretrained_config(folder: Path) -> tuple[TransformerConfig, Decoding, dict[s
     except (ConfigError, KeyError, TypeError) as err:
         reason = f"config.json lacks {err}" if isinstance(err, KeyError) else str(err)
         raise CheckpointError(f"{folder}: {reason}") from None
+    _check_size(folder, config)
     given = {name: hf[name] for name in _DECODING if name in hf} | generation  # older folders keep them in config.json
     max_length = given.get("max_length", 20)  # transformers' default; it counts the decoder's start token
     decoding = Decoding(
@@ -68,6 +70,18 @@ def pretrained_config(folder: Path) -> tuple[TransformerConfig, Decoding, dict[s
         **generation_controls(given),
     )
     return config, decoding, generation
+
+
+def _check_size(folder: Path, config: TransformerConfig) -> None:
+    """Refuses a ``config.json`` that describes more parameters than the weight files have bytes (a forged
+    ``d_model`` would otherwise allocate without bound): counted on the meta device, before anything is allocated."""
+    parameters = sum(p.numel() for p in meta_shell(config).parameters())
+    held = sum(file.stat().st_size for file in weight_files(folder))
+    if parameters > held:
+        raise CheckpointError(
+            f"{folder}: config.json describes {parameters} parameters, more than its weight files' {held} bytes "
+            "hold: refused; pass the config.json save_pretrained wrote with these weights"
+        )
 
 
 def generation_controls(generation: dict[str, Any]) -> dict[str, Any]:

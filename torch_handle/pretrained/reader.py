@@ -54,7 +54,14 @@ def _weight_files(folder: Path, name: str) -> list[Path]:
     weight_map = read_json(index).get("weight_map")
     if not isinstance(weight_map, dict):
         raise CheckpointError(f"{index} has no weight_map: pass a folder written by save_pretrained")
-    return [folder / shard for shard in dict.fromkeys(weight_map.values())]
+    shards = [str(shard) for shard in dict.fromkeys(weight_map.values())]
+    for shard in shards:
+        if (folder / shard).resolve().parent != folder.resolve():
+            raise CheckpointError(
+                f"{index} lists the shard {shard!r}, which is not a file of {folder}: refused; "
+                "pass a folder written by save_pretrained"
+            )
+    return [folder / shard for shard in shards]
 
 
 def check_zip(file: Path) -> None:
@@ -68,8 +75,9 @@ def check_zip(file: Path) -> None:
         check_globals(pickled, file, file)
 
 
-def read_weights(folder: Path) -> Iterator[tuple[str, Tensor]]:
-    """Every tensor of the folder's weights as ``(name, tensor)``, one shard at a time."""
+def weight_files(folder: Path) -> list[Path]:
+    """The files that hold the folder's weights (safetensors before ``.bin``), each present, a ``.bin`` checked by
+    :func:`check_zip`."""
     for name in _WEIGHTS:
         files = _weight_files(folder, name)
         if files:
@@ -79,12 +87,19 @@ def read_weights(folder: Path) -> Iterator[tuple[str, Tensor]]:
     for file in files:
         if not file.is_file():
             raise CheckpointError(f"{file} is listed in the index but missing: download the whole folder")
+        if file.suffix != ".safetensors":
+            check_zip(file)
+    return files
+
+
+def read_weights(folder: Path) -> Iterator[tuple[str, Tensor]]:
+    """Every tensor of the folder's weights as ``(name, tensor)``, one shard at a time."""
+    for file in weight_files(folder):
         if file.suffix == ".safetensors":
             with safe_open(file, framework="pt") as f:
                 for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                     yield key, f.get_tensor(key)
             continue
-        check_zip(file)
         try:
             state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
         except Exception as err:  # the weights-only unpickler refuses with several exception types
