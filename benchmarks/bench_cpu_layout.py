@@ -75,17 +75,17 @@ def main() -> None:
     if bool(args.checkpoint) != bool(args.source):
         parser.error("--checkpoint and --source go together")
 
-    import bench_peers
     import torch
+    from peers.models import SIZES, decoding_sources, our_model
 
     import torch_handle
     from torch_handle.model import generate
 
     torch.set_num_threads(args.threads)
     count = 2 if args.dry_run else args.pairs
-    s = bench_peers.SIZES["dry" if args.dry_run else "full"]
-    model = bench_peers._our_model(s).eval()  # its EOS ruled out: every sentence runs to s.new_tokens
-    src = torch.tensor(bench_peers._sources(s))
+    s = SIZES["dry" if args.dry_run else "full"]
+    model = our_model(s).eval()  # its EOS ruled out: every sentence runs to s.new_tokens
+    src = torch.tensor(decoding_sources(s))
     workloads: list[tuple[str, object, Callable[[], object], int]] = []
     for beams in (1, s.beams):
         name = "greedy" if beams == 1 else f"beam {beams}"

@@ -9,7 +9,8 @@ writes ``OUT/STEP.json``. All start at once: the steps whose results do not depe
 Multi30k BLEU) run side by side, while the timed ones prepare on the host (imports, models built on the CPU) and then
 take the device one at a time, each alone on it; the parent gathers them into ``OUT/gpu_suite.md`` with the whole
 suite's time, prints it, and exits 1 if a step failed. ``--dry-run`` runs the same code on the CPU, fp32, tiny
-models and lengths, so that the suite cannot rot between the sessions that have a GPU. The steps (:mod:`gpu_steps`):
+models and lengths, so that the suite cannot rot between the sessions that have a GPU. The steps, one module each in
+``benchmarks/gpu/``, run by ``gpu_steps.py``:
 
 - ``gpu_tests``: ``pytest -m gpu`` (bf16 SDPA/flex/xformers against naive, full and local, every position type,
   bf16 gradients); on a CPU they skip.
@@ -50,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # step -> seconds it may take on the GPU and in a dry run (a timed step's from its turn). The first three give
 # figures that do not depend on speed (pass/fail, BLEU), so they run side by side; the timed steps then run one at a
 # time on an otherwise idle device. Much of a step's time is start-up (imports, Lightning's above all; first
-# kernels), which each step's log shows with gpu_steps.mark; the timed steps do theirs beside the side-by-side steps.
+# kernels), which each step's log shows with gpu.setting.mark; the timed steps do theirs beside the side-by-side steps.
 # Each step's measured time: benchmarks/RESULTS.md, section "GPU suite", fourth and fifth H200 sessions.
 LIMITS = {
     "gpu_tests": (150, 200),  # flex compiles a kernel per mask
@@ -73,7 +74,7 @@ def launch(step: str, out: Path, dry_run: bool, multi30k: Path, epochs: int) -> 
     command += [*(["--dry-run"] if dry_run else []), *(["--wait"] if step not in SIDE_BY_SIDE else [])]
     env = os.environ | {
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),  # need not install
-        "GPU_STEPS_LAUNCHED": str(time.time()),  # gpu_steps.mark's times in the step's log count from here
+        "GPU_STEPS_LAUNCHED": str(time.time()),  # gpu.setting.mark's times in the step's log count from here
     }
     with (out / f"{step}.log").open("w") as log:
         stdin = subprocess.DEVNULL if step in SIDE_BY_SIDE else subprocess.PIPE

@@ -131,7 +131,7 @@ def test_cuda_graph_replays_the_eager_static_step_in_bf16() -> None:
 def test_cuda_graph_beam_search_equals_eager_beam_search(monkeypatch: pytest.MonkeyPatch) -> None:
     """fp32: beam steps replayed as CUDA graphs over a static cache reordered in place, handed over to the eager
     cache once half the sources have finished, keep the beams eager beam search keeps."""
-    from test_model_invariances import _decoded_rows, _handover_step, _model, _sources_ending_apart, _static_steps
+    from test_generation import _decoded_rows, _handover_step, _model, _sources_ending_apart, _static_steps
 
     model = _model(attention_backend="sdpa", tie_embeddings=False)
     src = _sources_ending_apart(model, 3, 12, handover=True).cuda()  # found on the CPU: its EOS made likelier

@@ -1,0 +1,26 @@
+"""``gpu_tests``: ``pytest -m gpu`` (bf16 attention kernels against naive, bf16 gradients); on a CPU they skip."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from typing import Any
+
+from gpu.setting import ROOT, Setting, result_table
+
+
+def gpu_tests(setting: Setting) -> dict[str, Any]:
+    """``pytest -m gpu``: its closing line, and the tests that failed."""
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests/test_gpu.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    print(run.stdout, run.stderr)  # into the step's log: the failures in full
+    lines = run.stdout.splitlines()
+    summary = next(line.strip("= ") for line in reversed(lines) if re.search(r"\d+ (passed|skipped|failed)", line))
+    failed = [line.split()[1] for line in lines if line.startswith("FAILED")]
+    rows = [[summary, ", ".join(failed) or "none"]]
+    return {"ok": run.returncode == 0, "tables": [result_table("`pytest -m gpu`", ["result", "failed"], rows)]}
