@@ -29,7 +29,7 @@ from common import machine_line, markdown_table  # noqa: E402
 def _set_layout(model: object, column_major: bool) -> None:
     import torch
 
-    from torch_handle.model.generation import cpu_decoding_layout
+    from torch_handle.model.steps import cpu_decoding_layout
 
     if column_major:
         cpu_decoding_layout(model)

@@ -50,7 +50,7 @@ def main() -> None:
 
     import torch_handle
     from torch_handle.model import CompiledDecode
-    from torch_handle.model.generation import StaticDecoder
+    from torch_handle.model.steps import StaticDecoder
 
     torch.set_num_threads(args.threads)
     model = torch_handle.load(args.checkpoint).model

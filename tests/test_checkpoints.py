@@ -13,7 +13,7 @@ import torch
 from tests.helpers import ROOT
 from torch_handle.checkpoints import CheckpointError, check_checkpoint, last_checkpoint, resolve_ckpt_path
 from torch_handle.cli import main
-from torch_handle.strategies import _SafeFolders
+from torch_handle.strategies.folders import _SafeFolders
 
 DEMO = str(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml")
 
@@ -183,7 +183,7 @@ PLANTED = {"ckpt": _evil_ckpt, "zero2": _evil_zero2, "fsdp": _evil_fsdp, "latest
 
 @pytest.mark.parametrize("layout", PLANTED)
 def test_export_refuses_a_planted_payload_in_one_line(layout: str, tmp_path: Path) -> None:
-    from torch_handle.export import main as export_main
+    from torch_handle.export.__main__ import main as export_main
 
     marker = tmp_path / "marker"
     path = PLANTED[layout](tmp_path, marker)

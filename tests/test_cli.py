@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -355,7 +356,7 @@ ONE_LINE_ERRORS: dict[str, tuple[Callable[[Path], list[str]], str]] = {
         "(e.g. val/loss), or save_top_k to -1 (all), 0 or 1 (the last)",
     ),
     "fit_random_checkpoint": (
-        lambda t: _fit(t / "run", f"--ckpt_path={_write(t / 'random.ckpt', os.urandom(4096))}"),
+        lambda t: _fit(t / "run", f"--ckpt_path={_write(t / 'random.ckpt', random.Random(0).randbytes(4096))}"),
         "error: {t}/random.ckpt is not a checkpoint (not a torch.save archive): pass a .ckpt file",
     ),
     "fit_truncated_checkpoint": (
@@ -520,7 +521,7 @@ def test_a_tokenizer_with_an_id_past_its_vocabulary_is_one_line(tmp_path: Path) 
         ("/usr/local/bin/torch-handle", "torch-handle export"),
         ("cli.py", "python cli.py export"),
         (str(PACKAGE / "cli.py"), "python -m torch_handle.cli export"),
-        (str(PACKAGE / "export.py"), "python -m torch_handle.export"),
+        (str(PACKAGE / "export" / "__main__.py"), "python -m torch_handle.export"),
         ("/opt/venv/lib/ipykernel_launcher.py", "torch-handle export"),  # from Python: the installed command
     ],
 )

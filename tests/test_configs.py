@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from torch_handle.cli import OneLineErrorParser, TorchHandleCLI, main
+from torch_handle.cli import OneLineErrorParser, main
 from torch_handle.data.base import Seq2SeqDataModule
+from torch_handle.lightning_cli import TorchHandleCLI
 from torch_handle.module import Seq2SeqModule
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,7 +13,7 @@ from transformers import GenerationConfig, GenerationMixin, PretrainedConfig, Pr
 from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
 
 from tests.test_lockstep_decoding import _stopped_by_peers
-from torch_handle.model import CompiledDecode, ConfigError, Transformer, TransformerConfig, generate, generation
+from torch_handle.model import CompiledDecode, ConfigError, Transformer, TransformerConfig, beam, generate
 from torch_handle.model.logits import DecodingControls, process_scores
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -283,8 +283,8 @@ def test_beam_search_finishes_no_hypothesis_scored_minus_inf(path: str, monkeypa
         model.lm_head.weight[eos] = model.lm_head.weight[11] + 2.0 * model.lm_head.weight[eos]
     src = torch.randint(3, vocab, (rows, 9), generator=torch.Generator().manual_seed(3))
     finished: list[list[tuple[float, list[int]]]] = []
-    best = generation._best
-    monkeypatch.setattr(generation, "_best", lambda hyps: finished.extend(hyps) or best(hyps))
+    best = beam._best
+    monkeypatch.setattr(beam, "_best", lambda hyps: finished.extend(hyps) or best(hyps))
     options = {"cuda_graph": path == "static"}  # a length penalty that favours the late, long hypotheses
     ours = [_until_eos(row, eos) for row in generate(model, src, 14, beams, 3.0, **options).tolist()]
     theirs = _theirs(model, src, DecodingControls(), beams, 14, eos_token_id=eos, forced_bos_token_id=forced,

@@ -173,7 +173,7 @@ def test_cli_predict_refuses_bad_exported_files_in_one_line(tmp_path: Path) -> N
 
 
 def test_export_of_a_missing_checkpoint_is_one_line_and_writes_nothing(tmp_path: Path) -> None:
-    from torch_handle.export import main
+    from torch_handle.export.__main__ import main
 
     with pytest.raises(SystemExit) as exit_info:
         main([str(tmp_path / "nosuch.ckpt"), str(tmp_path / "model.safetensors")])
@@ -187,7 +187,7 @@ KILLED_EXPORT = """
 import resource, signal, sys
 signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # Python ignores it; the kernel's default kills, as kill -9 does
 resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]), resource.RLIM_INFINITY))
-from torch_handle.export import main
+from torch_handle.export.__main__ import main
 main(sys.argv[2:])
 """
 

@@ -13,7 +13,9 @@ from test_model_invariances import BOS, EOS, PAD, POSITIONS, VOCAB, _batch, _con
 from torch import Tensor
 
 from torch_handle.model import CompiledDecode, Transformer
-from torch_handle.model.generation import StaticDecoder, beam_search, cpu_decoding_layout, generate, greedy_search
+from torch_handle.model.beam import beam_search
+from torch_handle.model.generation import generate, greedy_search
+from torch_handle.model.steps import StaticDecoder, cpu_decoding_layout
 from torch_handle.model.transformer import DecoderCache
 
 pytestmark = pytest.mark.usefixtures("single_thread")

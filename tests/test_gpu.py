@@ -13,8 +13,8 @@ import torch
 from conftest import requires_cuda
 
 from torch_handle.model import Transformer, TransformerConfig, generate
-from torch_handle.model.generation import StaticDecoder
 from torch_handle.model.kernels import xformers_available
+from torch_handle.model.steps import StaticDecoder
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 

@@ -26,8 +26,12 @@ from safetensors.torch import save_file
 
 import torch_handle
 from tests.helpers import check, cli, fit_args
-from torch_handle import checkpoints, export, strategies
+from torch_handle import checkpoints, export
 from torch_handle.checkpoints import CheckpointError, check_checkpoint
+from torch_handle.export import exported as reading
+from torch_handle.export import write
+from torch_handle.export.__main__ import main as export_main
+from torch_handle.strategies import deepspeed, folders, fsdp, model_parallel
 
 ZERO = "checkpoints/last.ckpt/checkpoint"
 BYTES_ITEM = "a bytes item of checkpoints/last.ckpt/.metadata"
@@ -147,7 +151,7 @@ def _load(ckpt: Path, tmp_path: Path) -> str:
 
 def _export(ckpt: Path, tmp_path: Path) -> str:
     with pytest.raises(SystemExit) as error:
-        export.main([str(ckpt), str(tmp_path / "out.safetensors")])
+        export_main([str(ckpt), str(tmp_path / "out.safetensors")])
     assert not (tmp_path / "out.safetensors").exists()
     message = str(error.value.code)
     assert message.startswith("error: "), message
@@ -175,7 +179,7 @@ def test_the_loader_guard_alone_stops_every_payload(
 ) -> None:
     """With :func:`check_checkpoint` switched off, what reaches DeepSpeed's and torch.distributed.checkpoint's
     unpicklers is hostile; they load under ``unpickling_only_data`` and refuse it."""
-    for module in (checkpoints, export, strategies):
+    for module in (checkpoints, write, deepspeed, folders, fsdp, model_parallel):  # every caller of the check
         monkeypatch.setattr(module, "check_checkpoint", Path)
     _, ckpt, marker = plant(bases[kind], target, shape, tmp_path)
     with pytest.raises((CheckpointError, RuntimeError)) as error:
@@ -283,13 +287,13 @@ def test_an_export_claiming_a_huge_model_is_refused_before_building_it(
     forged = tmp_path / "forged.safetensors"
     save_file(weights, forged, metadata={**metadata, "transformer": json.dumps({**config, "d_model": 65536})})
 
-    real = export.Transformer
+    real = reading.Transformer
 
-    def only_on_meta(config: export.TransformerConfig) -> export.Transformer:
+    def only_on_meta(config: reading.TransformerConfig) -> reading.Transformer:
         assert torch.empty(0).device.type == "meta", f"a Transformer of d_model {config.d_model} was built"
         return real(config)
 
-    monkeypatch.setattr(export, "Transformer", only_on_meta)
+    monkeypatch.setattr(reading, "Transformer", only_on_meta)
     for read in (export.exported_metadata, torch_handle.load):
         with pytest.raises(CheckpointError) as error:
             read(forged)

@@ -103,7 +103,7 @@ def test_a_folder_named_like_a_shipped_config_does_not_hide_it(monkeypatch: pyte
 
 
 def test_zero_config_without_deepspeed_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr("torch_handle.strategies._DEEPSPEED_AVAILABLE", False)  # as without the extra
+    monkeypatch.setattr("torch_handle.strategies.deepspeed._DEEPSPEED_AVAILABLE", False)  # as without the extra
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--config", "demo", "--config", "zero2", "--trainer.default_root_dir", str(tmp_path)])
     assert str(exit_info.value.code) == (

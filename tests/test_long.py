@@ -19,10 +19,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_handle
 from torch_handle.callbacks.prediction_writer import PredictionWriter
-from torch_handle.cli import TorchHandleCLI
 from torch_handle.data import EOS_ID, PAD_ID, Seq2SeqDataModule, SummarizationDataModule, Tokenizer
 from torch_handle.data.tokenizer import Specials
 from torch_handle.hierarchical import chunk_spans, summarize
+from torch_handle.lightning_cli import TorchHandleCLI
 from torch_handle.metrics import ROUGE_KEYS, Rouge, split_sentences
 from torch_handle.model import Transformer
 from torch_handle.module import Seq2SeqModule

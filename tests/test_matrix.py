@@ -27,7 +27,7 @@ import pytest
 
 from tests.helpers import ROOT, STRATEGY_CONFIGS, TINY_MODEL, cli
 from torch_handle.data.demo import demo_corpus
-from torch_handle.export import main as export_main
+from torch_handle.export.__main__ import main as export_main
 
 SHARED = ROOT.parent / "shared" / "data"
 TIMEOUT = 300  # seconds for one launch: ten times the slowest measured on a busy 2-core machine

@@ -21,7 +21,7 @@ from torch_handle.cli import main
 from torch_handle.ctranslate2 import ExportError
 from torch_handle.data.batching import Collator, Example
 from torch_handle.data.tokenizer import Tokenizer
-from torch_handle.export import main as export_main
+from torch_handle.export.__main__ import main as export_main
 from torch_handle.model import Transformer, TransformerConfig, generate
 from torch_handle.module import Seq2SeqModule
 from torch_handle.pretrained import load_pretrained, pretrained_tokenizer

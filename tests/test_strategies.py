@@ -32,7 +32,8 @@ from tests.helpers import (
 )
 from torch_handle.checkpoints import CheckpointError
 from torch_handle.data import TranslationDataModule
-from torch_handle.export import export, exported_metadata, load_exported, main, read_checkpoint
+from torch_handle.export import export, exported_metadata, load_exported, read_checkpoint
+from torch_handle.export.__main__ import main
 from torch_handle.model import Transformer, TransformerConfig, generate
 from torch_handle.parallel import set_zero3_units
 

@@ -30,8 +30,8 @@ from torch_handle.export import (
 )
 from torch_handle.hierarchical import generate_summaries, summarize
 from torch_handle.model import CompiledDecode, Transformer, generate
-from torch_handle.model.generation import cpu_decoding_layout
 from torch_handle.model.logits import DecodingControls
+from torch_handle.model.steps import cpu_decoding_layout
 from torch_handle.pretrained import is_pretrained_folder, load_pretrained
 from torch_handle.quantize import quantize as quantize_model
 
@@ -56,7 +56,7 @@ class Model:
         compile: Decoding on a CPU runs a compiled step with the weights frozen in
             (:class:`~torch_handle.model.CompiledDecode`), for models that no longer train: greedy decoding and beam
             search faster once compiled (see :func:`load`). Without it, on a CPU, the linear weights are stored
-            column-major (:func:`~torch_handle.model.generation.cpu_decoding_layout`), faster at decoding's few rows.
+            column-major (:func:`~torch_handle.model.steps.cpu_decoding_layout`), faster at decoding's few rows.
     """
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, decoding: Decoding, compile: bool = False) -> None:

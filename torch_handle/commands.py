@@ -9,7 +9,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent
 TOOLS = {
     "prepare": "torch_handle.data.prepare",
-    "export": "torch_handle.export",
+    "export": "torch_handle.export.__main__",
     "average": "torch_handle.average",
     "serve": "torch_handle.serve",
 }
@@ -23,7 +23,7 @@ def typed_command(subcommand: str = "") -> str:
     argv0 = sys.argv[0] if sys.argv else ""
     module = _package_module(argv0)
     if module is not None and module == TOOLS.get(subcommand):
-        return f"python -m {module}"
+        return f"python -m {module.removesuffix('.__main__')}"
     if module is not None:
         base = "python -m torch_handle.cli"
     elif os.path.basename(argv0) == "cli.py":

@@ -184,7 +184,7 @@ def transformer_spec(model: Transformer) -> TransformerSpec:
         _set_norm(layer_spec.attention.layer_norm, layer.cross_block.norm)
         _set_attention(layer_spec.attention, layer.cross_attn, cross=True)
         _set_ffn(layer_spec.ffn, layer.ff, layer.ff_block.norm)
-    # Our decoding never predicts padding or <bos> (generation.next_token_logits); a bias of -inf on their rows
+    # Our decoding never predicts padding or <bos> (steps.next_token_logits); a bias of -inf on their rows
     # makes CTranslate2 do the same with no option passed. Biases are not quantized: int8 keeps it.
     bias = torch.zeros(c.tgt_vocab_size)
     bias[[c.pad_id, c.bos_id]] = -math.inf

@@ -1,61 +1,35 @@
-"""The one LightningModule: loss, metrics, optimizer and decoding, for every strategy."""
+"""The one LightningModule: loss, training and the parallelisation plan, for every strategy; its evaluation and
+decoding are in :mod:`torch_handle.evaluation`, its optimizer hooks in :mod:`torch_handle.optimization`."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-import lightning as L
 import torch
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
-from torchmetrics.aggregation import MeanMetric
-from torchmetrics.text import SacreBLEUScore
 from typing_extensions import override
 
 from torch_handle.data.resume import finish_saved_epoch
 from torch_handle.errors import SetupError
-from torch_handle.hierarchical import summarize
+from torch_handle.evaluation import Evaluation
 from torch_handle.loss import compiled_token_sums, token_sums
-from torch_handle.metrics import (
-    GEOMETRIC_MEAN,
-    ChrF,
-    Rouge,
-    baseline_labels,
-    bleu_signature,
-    chrf_signature,
-    geometric_mean,
-    lead,
-    naive,
-    rouge_line,
-)
-from torch_handle.model import ConfigError, Transformer, TransformerConfig, generate
+from torch_handle.model import ConfigError, Transformer, TransformerConfig
 from torch_handle.model.logits import DecodingControls
-from torch_handle.optim import parameter_groups, warmup_cosine
+from torch_handle.optimization import Optimization
 from torch_handle.parallel import (
-    CONTEXT_PARALLEL,
     DATA_PARALLEL,
-    PIPELINE_PARALLEL,
-    TENSOR_PARALLEL,
+    ParallelPlan,
     Pipeline,
-    apply_context_parallel,
-    apply_fully_shard,
-    apply_fully_shard_stages,
-    apply_pipeline_parallel,
-    apply_tensor_parallel,
     build_mesh,
     check_context_parallel,
-    check_pipeline_parallel,
-    check_tensor_parallel,
+    check_plan,
+    parallelize,
     sharded_logits,
     vocab_parallel_token_sums,
 )
@@ -63,26 +37,9 @@ from torch_handle.pretrained import fill, pretrained_config
 from torch_handle.pretrained.reader import read_weights
 
 Task = Literal["translation", "summarization"]
-BLEU_TOKENIZE = "13a"  # sacreBLEU's default tokenizer, the one WMT results are reported with
 
 
-def _percent(value: Tensor | dict[str, Tensor], prefix: str, name: str = "bleu") -> dict[str, Tensor]:
-    """BLEU or chrF (a tensor named ``name``) or ROUGE (a dict, given its geometric mean) on the 0-100 scale that
-    sacreBLEU and papers report."""
-    scores = value | {GEOMETRIC_MEAN: geometric_mean(value)} if isinstance(value, dict) else {name: value}
-    return {f"{prefix}{name}": 100 * score.float() for name, score in scores.items()}
-
-
-def _signatures() -> dict[str, str]:
-    """sacreBLEU's signature of each translation score, printed beside it."""
-    return {"bleu": bleu_signature(BLEU_TOKENIZE), "chrf": chrf_signature()}
-
-
-def _pipeline_size(mesh: DeviceMesh) -> int:
-    return mesh[PIPELINE_PARALLEL].size() if PIPELINE_PARALLEL in mesh.mesh_dim_names else 1
-
-
-class Seq2SeqModule(L.LightningModule):
+class Seq2SeqModule(Evaluation, Optimization):
     """Trains the handwritten Transformer; the strategy (DDP, DeepSpeed, FSDP) is the Trainer's concern.
 
     Args:
@@ -233,27 +190,6 @@ class Seq2SeqModule(L.LightningModule):
         self.hparams["init_from"] = None
         return config
 
-    def _new_metrics(self, stage: str) -> torch.nn.ModuleDict:
-        """Per-token smoothed objective and NLL (token-weighted means, summed over ranks); BLEU and chrF, or ROUGE."""
-        metrics = {"objective": MeanMetric(), "nll": MeanMetric()}
-        metrics["score"] = SacreBLEUScore(tokenize=BLEU_TOKENIZE) if self.hparams.task == "translation" else Rouge()
-        if self.hparams.task == "translation":
-            metrics["chrf"] = ChrF()
-        if stage == "test" and self.hparams.task == "summarization":
-            metrics["lead"] = Rouge()
-            metrics["naive"] = Rouge()
-        for metric in metrics.values():
-            metric.set_dtype(torch.float64)  # corpus sums over many batches
-        return torch.nn.ModuleDict(metrics)
-
-    @property
-    def tokenizer(self) -> Any:
-        """The data module's tokenizer: it decodes exactly as the data was encoded."""
-        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
-        if datamodule is None or not hasattr(datamodule, "tokenizer"):
-            raise RuntimeError("decoding needs a data module with a tokenizer: pass datamodule= to the Trainer")
-        return datamodule.tokenizer
-
     # --- loss ---------------------------------------------------------------------------------------------
 
     def _loss(self, batch: dict[str, Any], memory: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -300,10 +236,11 @@ class Seq2SeqModule(L.LightningModule):
 
     @override
     def configure_model(self) -> None:
-        """Applies the parallelisation plans once the processes are connected: pipeline stages and/or tensor
-        parallelism, then FSDP2, on the mesh of :class:`~torch_handle.strategies.ModelParallelStrategy`; or context
-        parallelism on a ``(data_parallel, context_parallel)`` mesh laid out here; nothing under the other
-        strategies."""
+        """Applies the run's parallelisation plan once the processes are connected
+        (:func:`~torch_handle.parallel.parallelize`): on the mesh of
+        :class:`~torch_handle.strategies.ModelParallelStrategy`, or context parallelism on a
+        ``(data_parallel, context_parallel)`` mesh laid out here; compile and activation checkpointing under any
+        strategy."""
         if self._pipeline is not None and self.trainer.state.fn != TrainerFn.FITTING:
             raise SetupError(
                 "this module was split into pipeline stages by fit: test or predict its checkpoint with a new module "
@@ -312,26 +249,24 @@ class Seq2SeqModule(L.LightningModule):
         if self._parallelized:  # a second fit or test of this module
             return
         self.check_parallel_plans()
-        mesh, cp = self._device_mesh, self.context_parallel
-        if mesh is not None and _pipeline_size(mesh) > 1:
-            pipeline = self.trainer.strategy.pipeline  # torch_handle.strategies.ModelParallelStrategy's
-            stages = apply_pipeline_parallel(self.model, mesh[PIPELINE_PARALLEL], pipeline)
-            if mesh[TENSOR_PARALLEL].size() > 1:  # each stage's heads and feed-forward units split in turn
-                apply_tensor_parallel(self.model, mesh[TENSOR_PARALLEL], vocabulary=False)
-            apply_fully_shard_stages(stages, mesh[DATA_PARALLEL])
-            self._pipeline = Pipeline(stages, mesh[PIPELINE_PARALLEL], pipeline)
-        elif mesh is not None:
-            if mesh[TENSOR_PARALLEL].size() > 1:
-                apply_tensor_parallel(self.model, mesh[TENSOR_PARALLEL])
-            apply_fully_shard(self.model, mesh[DATA_PARALLEL])  # also on one replica: Lightning loads DTensors
-        elif cp > 1:
+        context = None
+        if self._device_mesh is None and self.context_parallel > 1:
             trainer = self.trainer
-            self._device_mesh = build_mesh(trainer.world_size, cp, trainer.strategy.root_device.type)
-            apply_context_parallel(self.model, self._device_mesh[CONTEXT_PARALLEL].get_group())
-        if self.use_compile:
-            for layer in (*self.model.encoder_layers, *self.model.decoder_layers):
-                layer.compile()
+            device = trainer.strategy.root_device.type
+            self._device_mesh = context = build_mesh(trainer.world_size, self.context_parallel, device)
+        self._pipeline = parallelize(self.model, self._plan(context))
         self._parallelized = True
+
+    def _plan(self, context: DeviceMesh | None = None) -> ParallelPlan:
+        """What :func:`~torch_handle.parallel.parallelize` applies: the strategy's mesh and pipeline, if any."""
+        mesh = None if context is not None else self._device_mesh  # a strategy's mesh comes with a trainer
+        return ParallelPlan(
+            mesh=mesh,
+            pipeline=getattr(self.trainer.strategy, "pipeline", None) if mesh is not None else None,
+            context=context,
+            activation_checkpointing=self.config.activation_checkpointing,
+            compile=self.use_compile,
+        )
 
     def check_parallel_plans(self) -> None:
         """Raises :class:`SetupError` in one line when the plans of the strategy's device mesh cannot apply to this
@@ -346,16 +281,14 @@ class Seq2SeqModule(L.LightningModule):
                 f"{type(self.trainer.strategy).__name__} brings another: use it with strategy ddp, fsdp or "
                 "deepspeed, or set --model.context_parallel 1"
             )
-        if _pipeline_size(mesh) > 1:
-            every = self.hparams.generate_every_n_val_epochs
-            if every:
-                raise SetupError(
-                    f"--model.generate_every_n_val_epochs={every}: a pipeline cannot run beam search (test and predict "
-                    "decode with every process as a replica): set --model.generate_every_n_val_epochs 0"
-                )
-            check_pipeline_parallel(self.model.config, _pipeline_size(mesh), self.trainer.strategy.pipeline)
-        if mesh[TENSOR_PARALLEL].size() > 1:
-            check_tensor_parallel(self.model.config, mesh[TENSOR_PARALLEL].size())
+        plan = self._plan()
+        if plan.pipeline_size > 1 and self.hparams.generate_every_n_val_epochs:
+            raise SetupError(
+                f"--model.generate_every_n_val_epochs={self.hparams.generate_every_n_val_epochs}: a pipeline cannot "
+                "run beam search (test and predict decode with every process as a replica): set "
+                "--model.generate_every_n_val_epochs 0"
+            )
+        check_plan(self.model.config, plan)
 
     def _step_scale(self) -> int:
         """What the backward pass divides a micro-batch's loss by, undone so that the step's mean is per token.
@@ -421,278 +354,3 @@ class Seq2SeqModule(L.LightningModule):
         self.log("train/ppl", nll.exp(), batch_size=batch_size)
         self.log("train/tokens", tokens.float(), reduce_fx="sum", batch_size=batch_size)
         return loss
-
-    # --- evaluation ---------------------------------------------------------------------------------------
-
-    def _evaluate(self, batch: dict[str, Any], stage: str, decode: bool) -> None:
-        """Loss, NLL and decoding metrics of one batch, accumulated over the set (logged at the epoch end).
-
-        A batch that only evens out the batch count across ranks (``batch["repeat"]``) runs like any other,
-        because sharded strategies need every rank to step together, but is not counted.
-        """
-        # One encoder pass for the loss and the decoding. Not on several processes: there a rank's decoding calls
-        # mirror the other ranks' (dummy calls included, see ``decode_batch``), and under ZeRO-3 or FSDP each
-        # encoder pass gathers parameters, so every call must run the encoder alike.
-        if self._pipeline is not None:  # the loss only: decoding is refused in configure_model
-            loss_sum, nll_sum, tokens = self._pipelined(batch, None)
-            memory = None
-        else:
-            memory = self.model.encode(batch["src"]) if self.trainer.world_size == 1 else None
-            loss_sum, nll_sum, tokens = self._loss(batch, memory)
-        predictions = self.decode_batch(batch, memory) if decode else None
-        if decode:
-            self._decoded.add(stage)
-        if batch.get("repeat", False):
-            return
-        metrics = self.eval_metrics[stage]
-        per_token = tokens.clamp(min=1)
-        metrics["objective"].update(loss_sum / per_token, weight=tokens)  # weighted by tokens: the corpus mean
-        metrics["nll"].update(nll_sum / per_token, weight=tokens)
-        references = batch.get("references", batch["tgt_text"])  # every reference of each document, when several
-        if predictions is not None:
-            scorer = metrics["score"]
-            if isinstance(scorer, SacreBLEUScore):
-                scorer.update(predictions, [[r] for r in batch["tgt_text"]])
-            else:
-                scorer.update(predictions, references)
-            if "chrf" in metrics:
-                metrics["chrf"].update(predictions, batch["tgt_text"])
-        if stage == "test" and "lead" in metrics:
-            metrics["lead"].update([lead(doc, self.hparams.lead_words) for doc in batch["src_text"]], references)
-            if self._naive_ratio is not None:
-                metrics["naive"].update([naive(doc, self._naive_ratio) for doc in batch["src_text"]], references)
-
-    @override
-    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        every = self.hparams.generate_every_n_val_epochs
-        decode = every > 0 and (self.current_epoch + 1) % every == 0 and not self.trainer.sanity_checking
-        self._evaluate(batch, "val", decode)
-
-    @override
-    def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        self._evaluate(batch, "test", decode=True)
-
-    @override
-    def on_validation_epoch_start(self) -> None:
-        self._start_epoch("val")
-
-    @override
-    def on_test_epoch_start(self) -> None:
-        self._start_epoch("test")
-        if self.hparams.task == "summarization":
-            self._naive_ratio = self.hparams.naive_ratio
-            ratio_of = getattr(getattr(self.trainer, "datamodule", None), "summary_ratio", None)
-            if self._naive_ratio is None and ratio_of is not None:
-                self._naive_ratio = ratio_of()
-            if self._naive_ratio is None:
-                rank_zero_info(
-                    "test: no naive baseline: no training file to take its ratio from; set --model.naive_ratio"
-                )
-
-    def _start_epoch(self, stage: str) -> None:
-        """Fresh metric states, made under this loop's grad mode: states left by ``trainer.validate`` (inference
-        mode) cannot be updated in place by the validation inside ``trainer.fit`` (no_grad)."""
-        self._decoded.discard(stage)
-        for metric in self.eval_metrics[stage].values():
-            metric.reset()
-
-    def _log_epoch(self, stage: str) -> None:
-        """Logs the set's per-token loss (NLL) and perplexity (its exp), the smoothed objective, and BLEU and chrF or
-        ROUGE (0-100).
-
-        Every rank computes (``compute`` sums the states over ranks) and logs, also a rank whose batches were
-        all repeats: ``ModelCheckpoint`` reads the monitored value on every rank.
-        """
-        metrics = self.eval_metrics[stage]
-        nll = metrics["nll"].compute()
-        self.log(f"{stage}/loss", nll.float(), prog_bar=True)
-        values = {f"{stage}/ppl": nll.exp().float(), f"{stage}/objective": metrics["objective"].compute().float()}
-        if stage in self._decoded:
-            scores = _percent(metrics["score"].compute(), f"{stage}/")
-            if "lead" in metrics:
-                scores |= _percent(metrics["lead"].compute(), f"{stage}/lead_")
-            if "naive" in metrics and self._naive_ratio is not None:  # the same on every rank: compute syncs
-                scores |= _percent(metrics["naive"].compute(), f"{stage}/naive_")
-            if "chrf" in metrics:
-                scores |= _percent(metrics["chrf"].compute(), f"{stage}/", "chrf")
-            values |= scores
-            signatures = _signatures() if self.hparams.task == "translation" else {}
-            printed = []
-            for key, value in scores.items():
-                name = key.removeprefix(stage + "/")
-                signature = f" ({signatures[name]})" if name in signatures else ""
-                printed.append(f"{name} {float(value):.2f}{signature}")
-            rank_zero_info(f"{stage}: {', '.join(printed)}")
-        self.log_dict(values)
-
-    def summary(self, logged: Mapping[str, Any], stage: str = "test") -> list[str]:
-        """The set's scores (0-100) as ``logged`` them (the trainer's ``callback_metrics``), one line per metric with
-        how it was computed; ``test`` prints them after Lightning's table. Reads logged values only: no collective
-        runs after the loop, whichever ranks print."""
-        if f"{stage}/{'bleu' if self.hparams.task == 'translation' else 'rouge1'}" not in logged:
-            return []
-        if self.hparams.task == "translation":
-            signatures = _signatures()
-            return [
-                f"{label} {float(logged[f'{stage}/{name}']):.2f}  (sacreBLEU {signatures[name]})"
-                for name, label in (("bleu", "BLEU"), ("chrf", "chrF2"))
-                if f"{stage}/{name}" in logged
-            ]
-        labels = {"": "model"} | baseline_labels(self.hparams.lead_words, self._naive_ratio)
-        lines = [rouge_line(label, logged, f"{stage}/{prefix}") for prefix, label in labels.items()]
-        return [*filter(None, lines), f"({self.eval_metrics[stage]['score'].signature})"]
-
-    @override
-    def on_validation_epoch_end(self) -> None:
-        self._log_epoch("val")
-
-    @override
-    def on_test_epoch_end(self) -> None:
-        self._log_epoch("test")
-
-    # --- decoding -----------------------------------------------------------------------------------------
-
-    @override
-    def predict_step(self, batch: dict[str, Any], batch_idx: int) -> list[str]:
-        return self.decode_batch(batch)
-
-    def decode_batch(self, batch: dict[str, Any], memory: Tensor | None = None) -> list[str]:
-        """Outputs for a batch; summarization documents cut by the collator are summarized hierarchically.
-
-        ``memory`` is the encoder's output for ``batch["src"]`` when the caller has it; it is reused where the
-        whole batch is decoded as it stands.
-
-        Ranks decode different documents, so a long one takes more ``generate`` calls on one rank than a short
-        batch on another; :meth:`_generate` and :meth:`_wait_for_other_ranks` keep their collectives in step.
-        """
-        if self.hparams.task != "summarization":
-            out = self.tokenizer.decode_batch(self._generate(batch["src"], memory).tolist())
-            self._wait_for_other_ranks()
-            return out
-        long = batch["src_truncated"]  # cut by the collator: too long for one pass
-        out = [""] * len(long)
-        short = [i for i, is_long in enumerate(long) if not is_long]
-        if short:
-            src = batch["src"][short]
-            width = int((src != self.config.pad_id).sum(dim=1).max())
-            if len(short) < len(long) or width < src.shape[1]:
-                src, memory = src[:, :width], None  # (b, S) without shared padding: encoded anew
-            for i, text in zip(short, self.tokenizer.decode_batch(self._generate(src, memory).tolist()), strict=True):
-                out[i] = text
-        for i in (i for i, is_long in enumerate(long) if is_long):
-            out[i] = summarize(
-                self.model,
-                self.tokenizer,
-                batch["src_text"][i],
-                max_source_tokens=self.trainer.datamodule.collator.max_source_tokens,
-                overlap=self.hparams.chunk_overlap,
-                max_new_tokens=self.hparams.max_new_tokens,
-                num_beams=self.hparams.num_beams,
-                length_penalty=self.hparams.length_penalty,
-                controls=self.controls,
-                generate_fn=self._generate,
-            )
-        self._wait_for_other_ranks()
-        return out
-
-    def _all_done(self) -> Callable[[bool], bool]:
-        """Maps "this rank is done" to "every rank is done": sharded strategies gather parameters inside
-        forward, so every rank keeps decoding until all are done."""
-        return bool if self.trainer.world_size == 1 else self.trainer.strategy.reduce_boolean_decision
-
-    def _any_rank(self, decision: bool) -> bool:
-        """Whether ``decision`` holds on any rank."""
-        if self.trainer.world_size == 1:
-            return decision
-        return self.trainer.strategy.reduce_boolean_decision(decision, all=False)
-
-    def _generate(self, src: Tensor, memory: Tensor | None = None) -> Tensor:
-        """Beam-search ``src (B, S)``; one call of the lockstep protocol.
-
-        Before each call every rank states whether it has one to make (a rank with none makes a dummy call
-        in :meth:`_wait_for_other_ranks`), so every rank issues the same collectives and forward passes.
-        """
-        self._any_rank(True)
-        h = self.hparams
-        all_done = self._all_done()
-        return generate(
-            self.model, src, h.max_new_tokens, h.num_beams, h.length_penalty, all_done, memory, controls=self.controls
-        )
-
-    def _wait_for_other_ranks(self) -> None:
-        """Dummy ``generate`` calls, mirroring the other ranks' real ones, until no rank has one left."""
-        if self.trainer.world_size == 1:
-            return
-        all_done = self._all_done()
-        dummy = torch.full((1, 1), self.config.eos_id, dtype=torch.long, device=self.device)  # (1, 1)
-        h = self.hparams
-
-        def done(_: bool) -> bool:
-            return all_done(True)
-
-        while self._any_rank(False):
-            generate(self.model, dummy, h.max_new_tokens, h.num_beams, h.length_penalty, done, controls=self.controls)
-
-    # --- optimisation -------------------------------------------------------------------------------------
-
-    @override
-    def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
-        if self._pipeline is None:  # the pipeline's schedule ran the backward passes in training_step
-            with loss_parallel():  # the backward of a loss over vocabulary-split logits; no-op for plain tensors
-                super().backward(loss, *args, **kwargs)
-
-    @override
-    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
-        if self._pipeline is None:  # the pipeline's training_step zeroes them before its backward passes
-            super().optimizer_zero_grad(epoch, batch_idx, optimizer)
-
-    @override
-    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        if self._pipeline is not None:  # before clipping: the tied embedding's two copies get one gradient
-            self._pipeline.sync_tied_grads()
-
-    @override
-    def configure_gradient_clipping(
-        self,
-        optimizer: torch.optim.Optimizer,
-        gradient_clip_val: float | None = None,
-        gradient_clip_algorithm: str | None = None,
-    ) -> None:
-        """Under pipeline parallelism, clipping by norm takes the norm over every stage's gradients."""
-        if self._pipeline is not None and gradient_clip_val and gradient_clip_algorithm in (None, "norm"):
-            self._pipeline.clip_grad_norm_(gradient_clip_val)
-            return
-        plugin = self.trainer.precision_plugin
-        if gradient_clip_val and isinstance(plugin, MixedPrecision) and plugin.scaler is None:
-            # Lightning refuses to clip for a fused optimizer under mixed precision, lest the optimizer unscale fp16
-            # gradients after the clipping; bf16 has no scaler and nothing to unscale, so the plain clipping is right.
-            algorithm = GradClipAlgorithmType(gradient_clip_algorithm or "norm")
-            Precision.clip_gradients(plugin, optimizer, gradient_clip_val, algorithm)
-            return
-        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
-
-    @override
-    def configure_optimizers(self) -> Any:
-        groups = parameter_groups(self, self.hparams.weight_decay)
-        # Fused AdamW (one kernel for every parameter) where the parameters live on a GPU and the strategy steps the
-        # module's optimizer there (DeepSpeed steps its own flat partitions, on the CPU under offload), without an
-        # fp16 loss scaler (the fused step would unscale the gradients after Lightning clipped them).
-        fused = (
-            self.device.type == "cuda"
-            and not isinstance(self.trainer.strategy, DeepSpeedStrategy)
-            and getattr(self.trainer.precision_plugin, "scaler", None) is None
-        )
-        optimizer = torch.optim.AdamW(groups, lr=self.hparams.lr, betas=self.hparams.betas, fused=fused or None)
-        # The number of steps is read at the first step, not here (see warmup_cosine). ``factor`` is a plain
-        # function: LambdaLR keeps it out of checkpoints.
-        hparams, trainer = self.hparams, self.trainer
-
-        @functools.cache
-        def total() -> int:
-            return max(int(trainer.estimated_stepping_batches), 1)
-
-        def factor(step: int) -> float:
-            return warmup_cosine(step, hparams.warmup_steps, total, hparams.min_lr_ratio)
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "name": "lr"}}

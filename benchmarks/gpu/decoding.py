@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 import yaml
+
 from gpu.setting import ROOT, TINY_MODEL, Setting, fmt, mark, result_table, timed
 
 
@@ -43,8 +44,8 @@ def decoding(setting: Setting) -> dict[str, Any]:
     import contextlib
 
     from torch_handle.model import Transformer, TransformerConfig, generate
-    from torch_handle.model.generation import StaticDecoder
     from torch_handle.model.kernels import decoding_kernels
+    from torch_handle.model.steps import StaticDecoder
 
     settings = yaml.safe_load((ROOT / "configs" / "multi30k.yaml").read_text())["model"]["transformer"]
     settings = {**settings, **(TINY_MODEL if setting.dry_run else {}), "max_len": 512}

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import yaml
+
 from gpu.setting import ROOT, Setting, fmt, free_memory, mark, result_table, timed
 
 

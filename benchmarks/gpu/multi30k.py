@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from gpu.setting import Setting, mark, result_table
 
 

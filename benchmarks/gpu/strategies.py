@@ -28,7 +28,7 @@ def _cli(args: list[str], port: int) -> tuple[bool, float, str]:
 
 def _export(args: list[str]) -> tuple[bool, float, str]:
     """``torch-handle export CHECKPOINT OUTPUT`` called in this process: as :func:`_cli` reports it."""
-    from torch_handle.export import main as export
+    from torch_handle.export.__main__ import main as export
 
     start = time.perf_counter()
     try:

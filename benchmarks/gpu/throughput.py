@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
 from gpu.setting import THROUGHPUT_MODEL, TINY_MODEL, Setting, fmt, free_memory, mark, result_table, timed
 
 

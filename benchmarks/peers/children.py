@@ -208,7 +208,7 @@ def _torch_decoder(impl: str, s: Sizes, src: Any, device: str) -> Callable[..., 
 
     if impl in ("ours", "ours-int8"):
         from torch_handle.model import CompiledDecode, generate
-        from torch_handle.model.generation import cpu_decoding_layout
+        from torch_handle.model.steps import cpu_decoding_layout
         from torch_handle.quantize import quantize
 
         model = our_model(s).to(device).eval()

@@ -3,7 +3,7 @@
 :func:`process_scores` applies the set controls to one step's scores in the order ``generate`` of ``transformers``
 applies its logits processors (repetition penalty, n-gram blocking, minimum new tokens, then, when sampling,
 temperature, top-k and top-p), with the same semantics; greedy decoding applies them to the logits, beam search to the
-log-probabilities. The decoding loops force a BOS or EOS (:func:`~torch_handle.model.generation.force_token`) after
+log-probabilities. The decoding loops force a BOS or EOS (:func:`~torch_handle.model.steps.force_token`) after
 them all, where ``transformers`` forces after the first three: the forced token is the only one left either way,
 sampling or not. Sampling draws with Gumbel noise (the argmax of ``scores + Gumbel`` is a draw from
 ``softmax(scores)``; the top ``n`` a draw of ``n`` without replacement, as ``torch.multinomial`` draws beam search's

@@ -6,6 +6,7 @@ its models; a plan here changes how a built model runs, never its weights or the
 
 from torch_handle.parallel.context import ContextParallelTransformer, apply_context_parallel, check_context_parallel
 from torch_handle.parallel.mesh import CONTEXT_PARALLEL, DATA_PARALLEL, PIPELINE_PARALLEL, TENSOR_PARALLEL, build_mesh
+from torch_handle.parallel.parallelize import ParallelPlan, check_plan, parallelize
 from torch_handle.parallel.pipeline import Pipeline, PipelineConfig, apply_pipeline_parallel, check_pipeline_parallel
 from torch_handle.parallel.sharding import apply_fully_shard, apply_fully_shard_stages, set_zero3_units
 from torch_handle.parallel.tensor import (
@@ -22,6 +23,7 @@ __all__ = [
     "PIPELINE_PARALLEL",
     "TENSOR_PARALLEL",
     "ContextParallelTransformer",
+    "ParallelPlan",
     "Pipeline",
     "PipelineConfig",
     "TensorParallelAttention",
@@ -33,7 +35,9 @@ __all__ = [
     "build_mesh",
     "check_context_parallel",
     "check_pipeline_parallel",
+    "check_plan",
     "check_tensor_parallel",
+    "parallelize",
     "set_zero3_units",
     "sharded_logits",
     "vocab_parallel_token_sums",

@@ -1,0 +1,230 @@
+"""Reading an exported model: one safetensors file whose metadata holds the model config, the tokenizer and the
+decoding settings (:class:`Decoding`), checked against its tensors before anything is allocated; no Lightning,
+DeepSpeed or process group is needed to load it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin, get_type_hints
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+from torch import Tensor
+
+from torch_handle.checkpoints import CheckpointError
+from torch_handle.commands import typed_command
+from torch_handle.data.tokenizer import Tokenizer
+from torch_handle.model import ConfigError, Transformer, TransformerConfig
+from torch_handle.model.logits import DecodingControls
+
+FORMAT = "torch-handle/1"
+
+# The data modules' default source lengths, for checkpoints and exports that do not record theirs.
+DEFAULT_MAX_SOURCE_TOKENS = {"translation": 256, "summarization": 32768}
+
+
+@dataclass(frozen=True)
+class Decoding(DecodingControls):
+    """How the model decodes by default: ``Seq2SeqModule``'s decoding options and the data's source length.
+
+    Defaults are ``Seq2SeqModule``'s, used for what a checkpoint or an older export does not record.
+
+    Args:
+        task: ``translation`` or ``summarization``: what the model was trained for.
+        max_source_tokens: Longest source the model reads, ``<eos>`` included (``--data.max_source_tokens``,
+            lowered to the model's context); longer summarization documents go hierarchical.
+        num_beams: Beam width (1 = greedy).
+        max_new_tokens: Longest output, in tokens.
+        length_penalty: Beam-search length normalisation exponent.
+        chunk_overlap: Tokens shared by neighbouring windows of a hierarchically summarized document.
+        lead_words: Words of the Lead baseline that summarization ``test`` scores beside the model.
+
+    It holds the decoding controls too (``no_repeat_ngram_size``, ..., ``seed``: the fields of
+    :class:`~torch_handle.model.logits.DecodingControls`, which it extends).
+    """
+
+    task: Literal["translation", "summarization"] = "translation"
+    max_source_tokens: int = 256
+    num_beams: int = 4
+    max_new_tokens: int = 128
+    length_penalty: float = 1.0
+    chunk_overlap: int = 256
+    lead_words: int = 100
+
+    @classmethod
+    def read(cls, values: dict[str, Any], config: TransformerConfig) -> Decoding:
+        """The settings in ``values`` (a checkpoint's hyper-parameters, an export's metadata); defaults for the
+        rest: the data module's source length for the task, and outputs that fit the model's context."""
+        fields = {f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values}
+        task = fields.setdefault("task", cls.task)
+        context = config.context_length
+        if "max_source_tokens" not in fields:
+            default = DEFAULT_MAX_SOURCE_TOKENS[task]
+            fields["max_source_tokens"] = default if context is None else min(default, context)
+        if "max_new_tokens" not in fields and context is not None:
+            fields["max_new_tokens"] = min(cls.max_new_tokens, context - 1)  # <bos> takes a position
+        return cls(**fields)
+
+    def controls(self) -> DecodingControls:
+        """The decoding controls among these settings."""
+        return DecodingControls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(DecodingControls)})
+
+    def summarize_options(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`torch_handle.summarize` for this model:
+        ``summarize(model, tokenizer, document, **decoding.summarize_options())``."""
+        return {
+            "max_source_tokens": self.max_source_tokens,
+            "overlap": self.chunk_overlap,
+            "max_new_tokens": self.max_new_tokens,
+            "num_beams": self.num_beams,
+            "length_penalty": self.length_penalty,
+            "controls": self.controls(),
+        }
+
+
+def is_exported(path: str | Path) -> bool:
+    """Whether ``path`` names an exported model (by its ``.safetensors`` suffix)."""
+    return str(path).endswith(".safetensors")
+
+
+def exported_metadata(path: str | Path) -> tuple[TransformerConfig, Tokenizer]:
+    """The model config and tokenizer stored in an exported file, checked against its tensors' names and shapes
+    without reading their data.
+
+    Args:
+        path: A file written by :func:`export`.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"exported model {path} does not exist: run {typed_command('export')} first")
+    try:
+        with safe_open(path, framework="pt") as f:
+            metadata = f.metadata() or {}
+            shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+    except Exception as err:  # safetensors raises its own error types for a non-safetensors or truncated file
+        raise CheckpointError(f"{path} is not a safetensors file ({_one_line(err)}): export the model again") from err
+    redo = f"export it again with {typed_command('export')}"
+    if metadata.get("format") != FORMAT:
+        raise CheckpointError(f"{path} was not written by torch_handle.export (no {FORMAT} metadata): {redo}")
+    config = _exported_config(path, metadata.get("transformer"), redo)
+    try:
+        tokenizer = Tokenizer.from_str(metadata["tokenizer"])
+    except Exception as err:  # KeyError, or whatever the tokenizers library raises on bad JSON
+        raise CheckpointError(f"{path} holds no valid tokenizer ({_one_line(err)}): {redo}") from err
+    problems = mismatches(meta_shell(config), shapes)
+    if problems:
+        raise CheckpointError(f"{path} does not match its model config ({problems}): {redo}")
+    return config, tokenizer
+
+
+def meta_shell(config: TransformerConfig) -> Transformer:
+    """The Transformer of ``config`` on the meta device: its names and shapes, with no memory behind them, so that a
+    file is checked against the sizes its config claims before anything of those sizes is allocated."""
+    with torch.device("meta"):
+        return Transformer(config)
+
+
+def mismatches(shell: Transformer, shapes: dict[str, tuple[int, ...]]) -> str:
+    """How the tensor ``shapes`` of a file differ from the ``state_dict`` of ``shell`` ("" if they do not)."""
+    expected = {name: tuple(t.shape) for name, t in shell.state_dict().items()}
+    problems = [f"missing {name}" for name in expected.keys() - shapes.keys()]
+    problems += [f"unexpected {name}" for name in shapes.keys() - expected.keys()]
+    problems += [
+        f"{name} has shape {list(shapes[name])}, the config needs {list(shape)}"
+        for name, shape in expected.items()
+        if name in shapes and shapes[name] != shape
+    ]
+    return "; ".join(sorted(problems))
+
+
+def _exported_config(path: Path, text: str | None, redo: str) -> TransformerConfig:
+    """The ``transformer`` metadata: a JSON object with every field of :class:`TransformerConfig`, each typed."""
+    try:
+        fields = json.loads(text) if text is not None else None
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{path}: its transformer metadata is not JSON ({err}): {redo}") from err
+    if not isinstance(fields, dict):
+        raise CheckpointError(f"{path} holds no transformer config object in its metadata: {redo}")
+    hints = get_type_hints(TransformerConfig)
+    unknown, missing = sorted(fields.keys() - hints.keys()), sorted(hints.keys() - fields.keys())
+    if unknown or missing:
+        raise CheckpointError(f"{path}: transformer config has unknown fields {unknown}, missing {missing}: {redo}")
+    wrong = [name for name, value in fields.items() if not _has_type(value, hints[name])]
+    if wrong:
+        raise CheckpointError(f"{path}: transformer config fields {wrong} have the wrong type: {redo}")
+    try:
+        return TransformerConfig(**fields)
+    except ConfigError as err:
+        raise CheckpointError(f"{path}: {err}: {redo}") from err
+
+
+def exported_decoding(path: str | Path, config: TransformerConfig) -> Decoding:
+    """The decoding settings stored in an exported file already checked by :func:`exported_metadata`;
+    :class:`Decoding`'s defaults for what an export written before they were stored lacks.
+
+    Args:
+        path: A file written by :func:`export`.
+        config: Its model config, which bounds the default lengths.
+    """
+    with safe_open(path, framework="pt") as f:
+        text = (f.metadata() or {}).get("decoding")
+    redo = f"export it again with {typed_command('export')}"
+    try:
+        values = {} if text is None else json.loads(text)
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{path}: its decoding metadata is not JSON ({err}): {redo}") from err
+    if not isinstance(values, dict):
+        raise CheckpointError(f"{path} holds no decoding settings object in its metadata: {redo}")
+    hints = get_type_hints(Decoding)
+    wrong = sorted(name for name, hint in hints.items() if name in values and not _has_type(values[name], hint))
+    if wrong:
+        raise CheckpointError(f"{path}: decoding settings {wrong} have the wrong type: {redo}")
+    return Decoding.read(values, config)
+
+
+def _has_type(value: Any, hint: Any) -> bool:
+    """Whether a JSON value fits a config field's annotation (``int``, ``float``, ``bool``, ``Literal``, ``| None``)."""
+    if get_origin(hint) is Literal:
+        return value in get_args(hint)
+    if get_args(hint):  # X | None
+        return any(_has_type(value, option) for option in get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _one_line(err: Exception) -> str:
+    return " ".join(str(err).split())
+
+
+def exported_weights(path: str | Path) -> dict[str, Tensor]:
+    """The Transformer's ``state_dict`` stored in an exported file.
+
+    Args:
+        path: A file written by :func:`export`.
+    """
+    try:
+        return load_file(Path(path), device="cpu")
+    except Exception as err:  # safetensors' own error types
+        raise CheckpointError(f"{path} is not a readable safetensors file ({_one_line(err)})") from err
+
+
+def load_exported(path: str | Path, attention_backend: str = "auto") -> tuple[Transformer, Tokenizer]:
+    """The exported Transformer (in eval mode, on CPU) and its tokenizer, e.g. for a notebook.
+
+    Args:
+        path: A file written by :func:`export`.
+        attention_backend: The attention kernel on this machine.
+    """
+    config, tokenizer = exported_metadata(path)
+    model = Transformer(dataclasses.replace(config, attention_backend=attention_backend))
+    model.load_state_dict(exported_weights(path), strict=True)
+    return model.eval(), tokenizer
