@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import pytest
@@ -25,9 +26,13 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 TINY = tiny_config(num_heads=4, num_encoder_layers=2, num_decoder_layers=2, max_len=64)
 
 
-@pytest.mark.parametrize("cross_downsample", [1, 3])
-def test_forward_flops_match_torch_flop_counter(cross_downsample: int) -> None:
+T5 = {"position": "relative", "norm": "rms", "bias": False, "gated_ff": True, "attention_head_dim": 16}
+
+
+@pytest.mark.parametrize(("cross_downsample", "options"), [(1, {}), (3, {}), (1, T5)], ids=["plain", "pooled", "t5"])
+def test_forward_flops_match_torch_flop_counter(cross_downsample: int, options: dict[str, Any]) -> None:
     config = TransformerConfig(
+        **options,
         src_vocab_size=100,
         tgt_vocab_size=90,
         d_model=32,

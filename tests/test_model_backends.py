@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import subprocess
@@ -94,6 +95,23 @@ def test_flex_matches_naive(position: str, attention: str) -> None:
     reference, flex = _models(position, attention, "flex")
     src, tgt = _batch()
     torch.testing.assert_close(flex.eval()(src, tgt), reference.eval()(src, tgt))
+
+
+T5 = {"norm": "rms", "bias": False, "scale_attention": False, "gated_ff": True, "attention_head_dim": 16}
+
+
+@pytest.mark.usefixtures("no_recompile_limit")
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+@torch.no_grad()
+def test_t5_relative_bias_matches_naive(backend: str) -> None:
+    """T5's options (a relative position bias added to unscaled scores, heads wider than d_model / num_heads) give
+    every backend the naive kernel's logits."""
+    reference, other = (
+        Transformer(dataclasses.replace(_config("relative", "full", b), **T5)) for b in ("naive", backend)
+    )
+    other.load_state_dict(reference.state_dict())
+    src, tgt = _batch()
+    torch.testing.assert_close(other.eval()(src, tgt), reference.eval()(src, tgt))
 
 
 FLEX_LENGTHS = sorted({*range(1, 130, 9), 24, 40, 104, 120})  # the four where compiled CPU flex was wrong

@@ -125,12 +125,16 @@ def folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 
 
 def test_encoder_output_and_logits_match_transformers(saved: tuple[Path, object, object]) -> None:
-    path, hf, tok = saved
+    assert_logits_match(*saved, length=6)
+
+
+def assert_logits_match(path: Path, hf: object, tok: object, length: int) -> None:
+    """Our encoder output and logits for ``TEXTS`` and ``length`` random decoder inputs equal transformers'."""
     ours, _, _ = load_pretrained(path)
     ours.eval()
     batch = tok(TEXTS, return_tensors="pt", padding=True)
     start = hf.config.decoder_start_token_id
-    tgt = torch.cat([torch.full((len(TEXTS), 1), start), torch.randint(4, 100, (len(TEXTS), 6))], dim=1)
+    tgt = torch.cat([torch.full((len(TEXTS), 1), start), torch.randint(4, 100, (len(TEXTS), length))], dim=1)
     with torch.no_grad():
         hf_out = hf(**batch, decoder_input_ids=tgt)
         memory = ours.encode(batch["input_ids"])
@@ -145,16 +149,22 @@ def test_generate_matches_transformers(folder: tuple[Path, object, object], num_
     path, hf, tok = folder
     batch = tok(TEXTS, return_tensors="pt", padding=True)
     expected = hf.generate(**batch, num_beams=num_beams)[:, 1:]  # without the decoder's start token
-    ours, _, decoding = load_pretrained(path)
-    out = generate(ours.eval(), batch["input_ids"], decoding.max_new_tokens, num_beams, decoding.length_penalty)
-    width = max(out.shape[1], expected.shape[1])
-    pad = hf.config.pad_token_id
-    out, expected = (torch.nn.functional.pad(t, (0, width - t.shape[1]), value=pad) for t in (out, expected))
-    assert torch.equal(out, expected)
+    assert_generate_matches(path, tok, expected, num_beams)
     # Hypotheses finish at different steps, and others at the length limit (forced EOS); this tiny PEGASUS ends every
     # output at once or none before the limit, whatever the bias.
     if num_beams > 1 and hf.config.model_type != "pegasus":
-        assert len({int((row != pad).sum()) for row in expected}) > 1, "outputs of one length test less"
+        assert len({int((row != hf.config.pad_token_id).sum()) for row in expected}) > 1, "outputs of one length"
+
+
+def assert_generate_matches(path: Path, tok: object, expected: torch.Tensor, num_beams: int) -> None:
+    """Our ``generate`` and ``translate`` of ``TEXTS`` write ``expected``, transformers' (without the start token)."""
+    batch = tok(TEXTS, return_tensors="pt", padding=True)
+    ours, _, decoding = load_pretrained(path)
+    out = generate(ours.eval(), batch["input_ids"], decoding.max_new_tokens, num_beams, decoding.length_penalty)
+    width = max(out.shape[1], expected.shape[1])
+    pad = ours.config.pad_id
+    out, padded = (torch.nn.functional.pad(t, (0, width - t.shape[1]), value=pad) for t in (out, expected))
+    assert torch.equal(out, padded)
     texts = torch_handle.load(path).translate(TEXTS, num_beams=num_beams)
     assert texts == [t.strip() for t in tok.batch_decode(expected, skip_special_tokens=True)]
 
@@ -197,9 +207,10 @@ def test_decoding_defaults_fall_back_to_config_json(tmp_path: Path) -> None:
 
 def test_unsupported_model_type_is_one_line(tmp_path: Path) -> None:
     _save("bart", "safetensors", tmp_path)
-    config = (tmp_path / "config.json").read_text().replace('"model_type": "bart"', '"model_type": "t5"')
+    config = (tmp_path / "config.json").read_text().replace('"model_type": "bart"', '"model_type": "led"')
     (tmp_path / "config.json").write_text(config)
-    with pytest.raises(CheckpointError, match=r"model_type 't5' is not supported; supported: bart, marian, mbart"):
+    expected = r"model_type 'led' is not supported; supported: bart, marian, mbart, mt5, pegasus, t5$"
+    with pytest.raises(CheckpointError, match=expected):
         load_pretrained(tmp_path)
 
 
@@ -342,10 +353,14 @@ def test_ctranslate2_export_names_an_imported_option() -> None:
 def test_hf_export_round_trips_through_transformers(family: str, tmp_path: Path) -> None:
     # --format hf: transformers loads what we write, its tokenizer encodes as ours, and its generate (with the
     # generation config written beside) equals the original's, so ours too (test_generate_matches_transformers).
-    path, hf, tok = _save(family, "safetensors", tmp_path / "in")
-    write_hf(*load_pretrained(path), tmp_path / "out")
-    back = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "out").eval()
-    back_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert_round_trip(*_save(family, "safetensors", tmp_path / "in"), tmp_path / "out")
+
+
+def assert_round_trip(path: Path, hf: object, tok: object, out: Path) -> None:
+    """The folder ``path`` imported and written to ``out`` loads in transformers, tokenizes and generates as ``hf``."""
+    write_hf(*load_pretrained(path), out)
+    back = transformers.AutoModelForSeq2SeqLM.from_pretrained(out).eval()
+    back_tok = transformers.AutoTokenizer.from_pretrained(out)
     batch = tok(TEXTS, return_tensors="pt", padding=True)
     assert torch.equal(back_tok(TEXTS, return_tensors="pt", padding=True)["input_ids"], batch["input_ids"])
     for num_beams in (1, 4):

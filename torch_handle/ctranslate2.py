@@ -31,6 +31,7 @@ from torch_handle.atomic import atomic_folder
 from torch_handle.data.tokenizer import UNK_ID
 from torch_handle.model import Transformer, TransformerConfig
 from torch_handle.model.attention import MultiHeadAttention
+from torch_handle.model.config import WITHOUT_T5
 from torch_handle.model.layers import FeedForward
 
 if TYPE_CHECKING:
@@ -97,6 +98,7 @@ _OURS: dict[str, object] = {
     "suppress_ids": None,
     "forced_bos_id": None,
     "forced_eos_id": None,
+    **WITHOUT_T5,
 }
 
 

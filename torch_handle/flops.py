@@ -19,20 +19,22 @@ def _attention(queries: int, keys: int, d: int) -> int:
 def forward_flops(config: TransformerConfig, src_lengths: Sequence[int], tgt_lengths: Sequence[int]) -> int:
     """Forward FLOPs for a batch of (source length, decoder input length) pairs."""
     d, ff, vocab = config.d_model, config.d_ff, config.tgt_vocab_size
+    h = config.num_heads * config.head_dim  # the heads' width: d_model unless attention_head_dim says otherwise
+    ff_matrices = 3 if config.gated_ff else 2
     total = 0
     for s, t in zip(src_lengths, tgt_lengths, strict=True):
         keys = min(s, 2 * config.window + 1) if config.encoder_attention == "local" else s
         memory = -(-s // config.cross_downsample)  # pooled length, ceil
-        encoder = 2 * s * d * 3 * d + 2 * s * d * d + _attention(s, keys, d) + 2 * 2 * s * d * ff
+        encoder = 2 * s * d * 3 * h + 2 * s * h * d + _attention(s, keys, h) + ff_matrices * 2 * s * d * ff
         decoder = (
-            2 * t * d * 3 * d
-            + 2 * t * d * d
-            + _attention(t, t, d)  # self-attention
-            + 2 * t * d * d
-            + 2 * memory * d * 2 * d
-            + 2 * t * d * d
-            + _attention(t, memory, d)  # cross-attention
-            + 2 * 2 * t * d * ff
+            2 * t * d * 3 * h
+            + 2 * t * h * d
+            + _attention(t, t, h)  # self-attention
+            + 2 * t * d * h
+            + 2 * memory * d * 2 * h
+            + 2 * t * h * d
+            + _attention(t, memory, h)  # cross-attention
+            + ff_matrices * 2 * t * d * ff
         )
         total += config.num_encoder_layers * encoder + config.num_decoder_layers * decoder + 2 * t * d * vocab
     return total

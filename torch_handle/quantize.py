@@ -53,7 +53,9 @@ def quantize(model: Transformer, scheme: str, compile: bool = False) -> None:
         w, b = attention.packed_projection()
         c = w.shape[0] // 3
         parts = {"q": slice(None, c), "kv": slice(c, None)} if id(attention) in cross else {"qkv": slice(None)}
-        attention.int8 = nn.ModuleDict({name: _linear(w[rows], b[rows]) for name, rows in parts.items()})
+        attention.int8 = nn.ModuleDict(
+            {name: _linear(w[rows], None if b is None else b[rows]) for name, rows in parts.items()}
+        )
         del attention.in_proj
         attention.__class__ = Int8Attention
     with warnings.catch_warnings():  # torch deprecates its quantized tensors (pytorch#184982); still the fast path
@@ -63,9 +65,10 @@ def quantize(model: Transformer, scheme: str, compile: bool = False) -> None:
         )
 
 
-def _linear(weight: Tensor, bias: Tensor) -> nn.Linear:
-    """An ``nn.Linear`` holding copies of ``weight`` and ``bias``, for ``quantize_dynamic`` to replace."""
-    linear = nn.Linear(weight.shape[1], weight.shape[0], device=weight.device)
+def _linear(weight: Tensor, bias: Tensor | None) -> nn.Linear:
+    """An ``nn.Linear`` holding copies of ``weight`` and ``bias`` (T5 has none), for ``quantize_dynamic`` to replace."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device)
     linear.weight.data.copy_(weight.detach())
-    linear.bias.data.copy_(bias.detach())
+    if bias is not None:
+        linear.bias.data.copy_(bias.detach())
     return linear

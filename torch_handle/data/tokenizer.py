@@ -252,7 +252,8 @@ def pretrained_tokenizer(folder: Path) -> Tokenizer:
             except (json.JSONDecodeError, UnicodeDecodeError) as err:
                 raise DataError(f"{folder / name} is not JSON ({err}): pass a folder save_pretrained wrote") from None
     try:
-        specials = Specials(settings["pad_token_id"], settings["decoder_start_token_id"], settings["eos_token_id"])
+        start = settings.get("decoder_start_token_id", settings["pad_token_id"])  # T5's folders omit it: padding
+        specials = Specials(settings["pad_token_id"], start, settings["eos_token_id"])
     except KeyError as err:
         raise DataError(f"{folder}: config.json lacks {err}: pass a folder save_pretrained wrote") from None
     return read_tokenizer(folder, specials)

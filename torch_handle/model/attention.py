@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -11,6 +12,9 @@ from torch import Tensor, nn
 from torch_handle.model.kernels import attend
 from torch_handle.model.masks import MaskSpec
 from torch_handle.model.positions import apply_rope
+
+if TYPE_CHECKING:
+    from torch_handle.model.config import TransformerConfig
 
 
 class KVCache:
@@ -87,19 +91,47 @@ class MultiHeadAttention(nn.Module):
         num_heads: Number of heads.
         dropout: Dropout on the attention weights (training only).
         backend: Attention kernel name (see :mod:`torch_handle.model.kernels`).
+        head_dim: Width of each head; ``None`` is ``d_model // num_heads``.
+        bias: Biases in the projections.
+        scale: Divide the scores by sqrt(head_dim); T5 does not.
     """
 
-    def __init__(self, d_model: int, num_heads: int, dropout: float, backend: str) -> None:
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        dropout: float,
+        backend: str,
+        head_dim: int | None = None,
+        bias: bool = True,
+        scale: bool = True,
+    ) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.dropout = dropout
         self.backend = backend
-        self.in_proj = nn.Linear(d_model, 3 * d_model)
-        self.out_proj = nn.Linear(d_model, d_model)
+        inner = num_heads * (head_dim or d_model // num_heads)
+        self.in_proj = nn.Linear(d_model, 3 * inner, bias=bias)
+        self.out_proj = nn.Linear(inner, d_model, bias=bias)
+        # Every kernel divides the scores by sqrt(head_dim); unscaled attention multiplies the queries by as much.
+        self.query_scale = None if scale else (inner // num_heads) ** 0.5
         self.kv_hook: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]] | None = None
         """Self-attention without a cache: maps this input's keys and values ``(B, H, T, D)`` to the keys and
         values attended to. Context parallelism (:mod:`torch_handle.parallel.context`) sets it to add the
         neighbouring ranks' halos; the model itself never does."""
+
+    @classmethod
+    def of(cls, config: TransformerConfig) -> MultiHeadAttention:
+        """The attention layer ``config`` describes."""
+        return cls(
+            config.d_model,
+            config.num_heads,
+            config.attention_p,
+            config.attention_backend,
+            config.head_dim,
+            config.bias,
+            config.scale_attention,
+        )
 
     def _heads(self, x: Tensor) -> Tensor:  # (B, T, C) -> (B, H, T, D)
         b, t, c = x.shape
@@ -148,6 +180,8 @@ class MultiHeadAttention(nn.Module):
                 k, v = (self._heads(t) for t in self.project(memory, "kv").chunk(2, dim=-1))
                 if cache is not None:
                     cache.k, cache.v, cache.length = k, v, k.shape[-2]
+        if self.query_scale is not None:
+            q = q * self.query_scale
         dropout_p = self.dropout if self.training else 0.0
         out = attend(q, k, v, spec, self.backend, dropout_p)  # (B, H, T, D)
         return self.out_proj(out.transpose(1, 2).reshape(*x.shape[:-1], -1))
@@ -159,11 +193,13 @@ class MultiHeadAttention(nn.Module):
         w, b = self.packed_projection()
         if part == "qkv":
             return F.linear(x, w, b)
-        c = w.shape[0] // 3  # query rows: d_model, or this process's heads' share of it under tensor parallelism
-        return F.linear(x, w[:c], b[:c]) if part == "q" else F.linear(x, w[c:], b[c:])
+        c = w.shape[0] // 3  # query rows: all heads', or this process's heads' share under tensor parallelism
+        rows = slice(None, c) if part == "q" else slice(c, None)
+        return F.linear(x, w[rows], None if b is None else b[rows])
 
-    def packed_projection(self) -> tuple[Tensor, Tensor]:
-        """The query, key and value weight ``(3C, C)`` and bias ``(3C,)`` that :meth:`forward` multiplies by.
+    def packed_projection(self) -> tuple[Tensor, Tensor | None]:
+        """The query, key and value weight ``(3C, C)`` and bias ``(3C,)`` (None without biases) that :meth:`forward`
+        multiplies by.
 
         Tensor parallelism (:mod:`torch_handle.parallel.tensor`) returns this process's heads' rows instead.
         """

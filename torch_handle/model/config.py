@@ -7,12 +7,25 @@ from typing import Any, Literal
 
 import torch
 
-Activation = Literal["relu", "gelu", "silu"]
-Position = Literal["sinusoidal", "learned", "rope", "alibi"]
+Activation = Literal["relu", "gelu", "gelu_tanh", "silu"]
+Position = Literal["sinusoidal", "learned", "rope", "alibi", "relative"]
+Norm = Literal["layer", "rms"]
 RopeScaling = Literal["linear", "ntk"]
 SinusoidLayout = Literal["interleaved", "halves"]
 EncoderAttention = Literal["full", "local"]
 AttentionBackend = Literal["auto", "naive", "sdpa", "flex", "xformers"]
+
+
+# The options T5 brought (torch_handle.pretrained.t5), as a model without them has them: what exports of other
+# architectures require.
+WITHOUT_T5: dict[str, Any] = {
+    "norm": "layer",
+    "bias": True,
+    "gated_ff": False,
+    "scale_attention": True,
+    "attention_head_dim": None,
+    "scale_decoder_output": False,
+}
 
 
 class ConfigError(ValueError):
@@ -20,9 +33,10 @@ class ConfigError(ValueError):
 
 
 _CHOICES: dict[str, tuple[Any, ...]] = {
-    "activation": ("relu", "gelu", "silu"),
+    "activation": ("relu", "gelu", "gelu_tanh", "silu"),
     "sinusoid_layout": ("interleaved", "halves"),
-    "position": ("sinusoidal", "learned", "rope", "alibi"),
+    "position": ("sinusoidal", "learned", "rope", "alibi", "relative"),
+    "norm": ("layer", "rms"),
     "rope_scaling": (None, "linear", "ntk"),
     "encoder_attention": ("full", "local"),
     "attention_backend": ("auto", "naive", "sdpa", "flex", "xformers"),
@@ -48,14 +62,24 @@ class TransformerConfig:
         attention_dropout: Dropout on the attention weights; ``None`` takes ``dropout``. fairseq's and Hugging
             Face's seq2seq models default it to 0.
         activation_dropout: Dropout on the feed-forward hidden units; ``None`` takes ``dropout`` (fairseq: 0).
-        activation: Feed-forward non-linearity (``silu`` is Marian's "swish").
+        activation: Feed-forward non-linearity (``silu`` is Marian's "swish", ``gelu_tanh`` the tanh approximation
+            T5 v1.1 uses).
+        gated_ff: A gated feed-forward block, ``linear2(act(linear1(x)) * gate(x))`` (T5 v1.1, Flan-T5, mT5).
+        bias: Biases in the attention and feed-forward projections (T5 has none).
+        norm: ``layer`` is LayerNorm; ``rms`` is T5's RMSNorm (no mean, no bias, its statistics in fp32).
         norm_first: ``False`` is post-LN as in the paper; ``True`` is pre-LN, which trains deep stacks
             without warmup tricks.
         position: How positions enter: additive ``sinusoidal`` or ``learned`` tables, ``rope`` rotations
-            or ``alibi`` biases (the last two extrapolate beyond ``max_len``).
+            or ``alibi`` biases, or T5's ``relative`` bucketed biases learned per head (the last three extrapolate
+            beyond ``max_len``).
         sinusoid_layout: Columns of the ``sinusoidal`` table: ``interleaved`` sines and cosines as in the paper,
             or sines then cosines in ``halves`` (Marian, PEGASUS).
         position_offset: Rows of the ``learned`` table before position 0 (BART and mBART keep 2).
+        relative_buckets: Buckets of ``relative`` positions (T5's ``relative_attention_num_buckets``).
+        relative_max_distance: Distance from which ``relative`` positions share the last bucket.
+        attention_head_dim: Width of each attention head; ``None`` is ``d_model // num_heads`` (T5's ``d_kv`` may
+            differ).
+        scale_attention: Divide attention scores by sqrt(head width); T5 does not.
         rope_scaling: How RoPE stretches beyond its trained length: ``linear`` (position interpolation)
             or ``ntk`` (base rescaling); ``None`` leaves it unscaled.
         rope_scaling_factor: Stretch factor for ``rope_scaling`` (>= 1).
@@ -75,6 +99,8 @@ class TransformerConfig:
         scale_embeddings: Multiply token embeddings by sqrt(d_model), as the paper and Marian; BART does not.
         layernorm_embedding: A LayerNorm over embeddings plus positions in each stack (BART, mBART).
         final_norm: End each stack in a LayerNorm; pre-LN needs it, post-LN BART and Marian have none.
+        scale_decoder_output: Multiply the last decoder states by d_model**-0.5 before the output projection (T5
+            v1.0, whose projection is the embedding).
         final_logits_bias: A bias added to the logits, kept as a buffer (BART, Marian: not trained).
         layer_norm_eps: Epsilon of every LayerNorm.
         pad_id: Padding token id; padding masks are derived from it.
@@ -97,10 +123,17 @@ class TransformerConfig:
     attention_dropout: float | None = None
     activation_dropout: float | None = None
     activation: Activation = "relu"
+    gated_ff: bool = False
+    bias: bool = True
+    norm: Norm = "layer"
     norm_first: bool = False
     position: Position = "sinusoidal"
     sinusoid_layout: SinusoidLayout = "interleaved"
     position_offset: int = 0
+    relative_buckets: int = 32
+    relative_max_distance: int = 128
+    attention_head_dim: int | None = None
+    scale_attention: bool = True
     rope_scaling: RopeScaling | None = None
     rope_scaling_factor: float = 1.0
     rope_base: float = 10000.0
@@ -115,6 +148,7 @@ class TransformerConfig:
     scale_embeddings: bool = True
     layernorm_embedding: bool = False
     final_norm: bool = True
+    scale_decoder_output: bool = False
     final_logits_bias: bool = False
     layer_norm_eps: float = 1e-5
     pad_id: int = 0
@@ -134,13 +168,24 @@ class TransformerConfig:
         for name in ("num_encoder_layers", "num_decoder_layers"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.d_model % self.num_heads:
+        if self.d_model % self.num_heads and self.attention_head_dim is None:
             raise ConfigError(
                 f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}: "
                 "choose num_heads that divides d_model"
             )
-        if self.position == "rope" and (self.d_model // self.num_heads) % 2:
-            raise ConfigError(f"position='rope' needs an even head dimension, got {self.d_model // self.num_heads}")
+        if self.attention_head_dim is not None and self.attention_head_dim < 1:
+            raise ConfigError(f"attention_head_dim must be >= 1, got {self.attention_head_dim}")
+        if self.position == "rope" and self.head_dim % 2:
+            raise ConfigError(f"position='rope' needs an even head dimension, got {self.head_dim}")
+        if self.position == "relative" and (self.relative_buckets < 4 or self.relative_max_distance < 2):
+            raise ConfigError(
+                f"position='relative' needs relative_buckets >= 4 and relative_max_distance >= 2, got "
+                f"{self.relative_buckets} and {self.relative_max_distance}"
+            )
+        if self.position == "relative" and self.encoder_attention == "local":
+            raise ConfigError(
+                "position='relative' attends with a dense bias: set encoder_attention: full, or position: alibi"
+            )
         for name in ("dropout", "attention_dropout", "activation_dropout"):
             value = getattr(self, name)
             if value is not None and not 0.0 <= value < 1.0:
@@ -175,7 +220,7 @@ class TransformerConfig:
 
     @property
     def context_length(self) -> int | None:
-        """Longest sequence the position encoding supports: ``max_len`` for tables, None for rope and alibi."""
+        """Longest sequence the position encoding supports: ``max_len`` for tables, None for the others."""
         return self.max_len if self.position in ("sinusoidal", "learned") else None
 
     @property
@@ -192,7 +237,7 @@ class TransformerConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.num_heads
+        return self.attention_head_dim or self.d_model // self.num_heads
 
     @property
     def attention_p(self) -> float:

@@ -57,7 +57,8 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float
 
 
 def _dense(kernel: Kernel, q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, dropout_p: float) -> Tensor:
-    if kernel is _sdpa and spec.causal and spec.key_padding is None and spec.alibi is None and spec.window is None:
+    plain = spec.key_padding is None and spec.alibi is None and spec.bias is None and spec.window is None
+    if kernel is _sdpa and spec.causal and plain:
         if spec.q_offset == 0 and q.shape[-2] == k.shape[-2]:
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
         if q.shape[-2] == 1:  # one new token sees the whole cache
@@ -168,6 +169,7 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, dropout_p: float) -> 
             f"{k.shape[-2]} scores: use attention_backend='sdpa' (or 'auto') for inputs this long there"
         )
     pad, window, causal, offset, slopes = spec.key_padding, spec.window, spec.causal, spec.q_offset, spec.alibi
+    bias = spec.bias
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         q_abs = q_idx + offset
@@ -189,6 +191,12 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, dropout_p: float) -> 
         def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             return score - slopes[h] * (kv_idx - q_idx - offset).abs()
 
+    elif bias is not None:
+        bias = bias.to(q.device, torch.float32)
+
+        def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return score + bias[0, h, q_idx, kv_idx]
+
     batch = None if pad is None else q.shape[0]
     key = ("flex_block_mask", batch, q.shape[-2], k.shape[-2], q.device)
     if key not in spec.built:  # once per forward pass, not once per layer
@@ -208,9 +216,10 @@ def _xformers(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, dropout_p: float)
             "attention_backend='xformers' does not do local attention here: use 'flex' or 'sdpa'"
         )
     bias = None
-    if spec.causal and spec.key_padding is None and spec.alibi is None and spec.q_offset == 0:
+    extra = spec.alibi is not None or spec.bias is not None
+    if spec.causal and spec.key_padding is None and not extra and spec.q_offset == 0:
         bias = LowerTriangularMask()
-    elif spec.causal or spec.key_padding is not None or spec.alibi is not None:
+    elif spec.causal or spec.key_padding is not None or extra:
         mask = dense_mask(spec, q.shape[-2], k.shape[-2], q.device, q.dtype)
         if mask is not None and mask.dtype == torch.bool:
             mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))

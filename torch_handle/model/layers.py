@@ -1,7 +1,10 @@
-"""Encoder and decoder layers: attention and feed-forward blocks with residuals and LayerNorm."""
+"""Encoder and decoder layers: attention and feed-forward blocks with residuals and LayerNorm or RMSNorm."""
 
 from __future__ import annotations
 
+from functools import partial
+
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -9,21 +12,45 @@ from torch_handle.model.attention import KVCache, MultiHeadAttention
 from torch_handle.model.config import TransformerConfig
 from torch_handle.model.masks import MaskSpec
 
-_ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
+_ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "gelu_tanh": partial(F.gelu, approximate="tanh"), "silu": F.silu}
+
+
+class RMSNorm(nn.Module):
+    """T5's LayerNorm: scales by the root mean square, with neither mean nor bias; the statistics are taken in fp32
+    whatever the input's precision, and the result is cast back to it."""
+
+    def __init__(self, d_model: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d_model))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        variance = x.float().pow(2).mean(-1, keepdim=True)
+        return self.weight * (x.float() * torch.rsqrt(variance + self.eps)).to(x.dtype)
+
+
+def make_norm(config: TransformerConfig) -> nn.Module:
+    """The normalisation ``config.norm`` names, over ``d_model`` features."""
+    if config.norm == "rms":
+        return RMSNorm(config.d_model, config.layer_norm_eps)
+    return nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
 
 
 class FeedForward(nn.Module):
-    """Position-wise ``linear2(dropout(act(linear1(x))))``, the layout of ``nn.TransformerEncoderLayer``."""
+    """Position-wise ``linear2(dropout(act(linear1(x))))``, the layout of ``nn.TransformerEncoderLayer``; gated
+    (``gated_ff``), the activation is multiplied by a second projection, ``gate(x)``, as in T5 v1.1."""
 
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
-        self.linear1 = nn.Linear(config.d_model, config.d_ff)
-        self.linear2 = nn.Linear(config.d_ff, config.d_model)
+        self.linear1 = nn.Linear(config.d_model, config.d_ff, bias=config.bias)
+        self.linear2 = nn.Linear(config.d_ff, config.d_model, bias=config.bias)
+        self.gate = nn.Linear(config.d_model, config.d_ff, bias=config.bias) if config.gated_ff else None
         self.dropout = nn.Dropout(config.activation_p)
         self.activation = _ACTIVATIONS[config.activation]
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.linear2(self.dropout(self.activation(self.linear1(x))))
+        hidden = self.activation(self.linear1(x))
+        return self.linear2(self.dropout(hidden if self.gate is None else hidden * self.gate(x)))
 
 
 class _Residual(nn.Module):
@@ -36,7 +63,7 @@ class _Residual(nn.Module):
 
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
-        self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.norm = make_norm(config)
         self.dropout = nn.Dropout(config.dropout)
         self.norm_first = config.norm_first
 
@@ -61,9 +88,7 @@ class EncoderLayer(nn.Module):
 
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
-        self.self_attn = MultiHeadAttention(
-            config.d_model, config.num_heads, config.attention_p, config.attention_backend
-        )
+        self.self_attn = MultiHeadAttention.of(config)
         self.ff = FeedForward(config)
         self.attn_block = _Residual(config)
         self.ff_block = _Residual(config)
@@ -81,9 +106,8 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
-        d, h, p, backend = config.d_model, config.num_heads, config.attention_p, config.attention_backend
-        self.self_attn = MultiHeadAttention(d, h, p, backend)
-        self.cross_attn = MultiHeadAttention(d, h, p, backend)
+        self.self_attn = MultiHeadAttention.of(config)
+        self.cross_attn = MultiHeadAttention.of(config)
         self.ff = FeedForward(config)
         self.self_block = _Residual(config)
         self.cross_block = _Residual(config)

@@ -22,6 +22,8 @@ class MaskSpec:
         causal: A query never sees keys at later positions.
         window: Local attention: a query sees keys at most this many positions away.
         alibi: ``(H,)`` ALiBi slopes: the score drops by ``slope * |i - j|``.
+        bias: ``(1, H, Tq, Tk)`` added to the scores (T5's relative positions, see
+            :func:`torch_handle.model.positions.relative_bias`).
         q_offset: Position of the first query (keys start at 0); non-zero while decoding with a cache, a ``(1,)``
             tensor with a static one.
         built: What a kernel derived from this spec (flex's block mask), kept so that every layer of one
@@ -32,6 +34,7 @@ class MaskSpec:
     causal: bool = False
     window: int | None = None
     alibi: Tensor | None = None
+    bias: Tensor | None = None
     q_offset: int | Tensor = 0
     built: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -59,7 +62,7 @@ def alibi_bias(slopes: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
 def dense_mask(spec: MaskSpec, q_len: int, k_len: int, device: torch.device, dtype: torch.dtype) -> Tensor | None:
     """The whole mask for a dense ``(B, H, Tq, Tk)`` score matrix.
 
-    Returns ``None`` (no mask), a boolean mask (True = attend), or an additive float mask when ALiBi is on.
+    Returns ``None`` (no mask), a boolean mask (True = attend), or an additive float mask with ALiBi or a ``bias``.
     Shapes broadcast: ``(B or 1, H or 1, Tq or 1, Tk)``.
     """
     q_pos = torch.arange(q_len, device=device) + spec.q_offset
@@ -69,7 +72,10 @@ def dense_mask(spec: MaskSpec, q_len: int, k_len: int, device: torch.device, dty
     if spec.key_padding is not None:
         keep = ~spec.key_padding[:, None, None, :]  # (B, 1, 1, Tk)
         mask = keep if mask is None else mask & keep
-    if spec.alibi is None:
+    if spec.alibi is None and spec.bias is None:
         return mask
-    bias = alibi_bias(spec.alibi.to(device), q_pos, k_pos)[None].to(dtype)  # (1, H, Tq, Tk)
+    if spec.alibi is None:
+        bias = spec.bias.to(dtype)  # type: ignore[union-attr] - not None here
+    else:
+        bias = alibi_bias(spec.alibi.to(device), q_pos, k_pos)[None].to(dtype)  # (1, H, Tq, Tk)
     return bias if mask is None else bias.masked_fill(~mask, float("-inf"))

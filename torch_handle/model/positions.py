@@ -1,11 +1,11 @@
-"""Position information: sinusoidal tables, RoPE rotations and ALiBi slopes."""
+"""Position information: sinusoidal tables, RoPE rotations, ALiBi slopes and T5's relative position buckets."""
 
 from __future__ import annotations
 
 import math
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 
 def sinusoidal_table(max_len: int, d_model: int, layout: str = "interleaved") -> Tensor:
@@ -75,3 +75,34 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+
+
+def relative_buckets(relative: Tensor, bidirectional: bool, num_buckets: int, max_distance: int) -> Tensor:
+    """T5's bucket of each key-minus-query distance in ``relative``: one bucket per distance below a quarter (encoder,
+    ``bidirectional``, which keeps half the buckets for keys after the query) or half (decoder) of ``num_buckets``,
+    then buckets growing logarithmically up to ``max_distance``, past which distances share the last."""
+    buckets = torch.zeros_like(relative)
+    if bidirectional:
+        num_buckets //= 2
+        buckets += (relative > 0).long() * num_buckets
+        distance = relative.abs()
+    else:
+        distance = (-relative).clamp(min=0)  # a causal query never sees later keys
+    exact = num_buckets // 2
+    # Distances below ``exact`` make log(0) here; ``where`` takes their exact bucket instead.
+    log_ratio = torch.log(distance.float() / exact) / math.log(max_distance / exact)
+    far = (exact + (log_ratio * (num_buckets - exact)).long()).clamp(max=num_buckets - 1)
+    return buckets + torch.where(distance < exact, distance, far)
+
+
+def relative_bias(
+    table: nn.Embedding, q_len: int, k_len: int, offset: int | Tensor, bidirectional: bool, max_distance: int
+) -> Tensor:
+    """``(1, H, q_len, k_len)``: the learned bias of each head for the bucketed distance from queries at positions
+    ``offset ...`` to keys at ``0 ...``, where ``table`` holds one row per bucket (T5 computes it in the first layer
+    and every layer adds it)."""
+    q_pos = torch.arange(q_len, device=table.weight.device) + offset
+    k_pos = torch.arange(k_len, device=table.weight.device)
+    relative = k_pos[None, :] - q_pos[:, None]  # (Tq, Tk)
+    buckets = relative_buckets(relative, bidirectional, table.num_embeddings, max_distance)
+    return table(buckets).permute(2, 0, 1)[None]  # (1, H, Tq, Tk)

@@ -10,12 +10,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from torch_handle.model.attention import KVCache
+from torch_handle.model.cache import DecoderCache
 from torch_handle.model.config import TransformerConfig
 from torch_handle.model.kernels import check_backend
-from torch_handle.model.layers import DecoderLayer, EncoderLayer
+from torch_handle.model.layers import DecoderLayer, EncoderLayer, make_norm
 from torch_handle.model.masks import MaskSpec
-from torch_handle.model.positions import alibi_slopes, rope_angles, rope_inv_freq, sinusoidal_table
+from torch_handle.model.positions import alibi_slopes, relative_bias, rope_angles, rope_inv_freq, sinusoidal_table
 
 
 class EncoderContext(NamedTuple):
@@ -33,84 +33,6 @@ class DecoderContext(NamedTuple):
     cross_spec: MaskSpec
     rope: tuple[Tensor, Tensor] | None
     rows: Tensor | None = None  # the decoder inputs that are not padding, flat indices; None when none is
-
-
-class DecoderCache:
-    """Per-layer self-attention and cross-attention caches for incremental decoding.
-
-    A static cache (``position`` given, a ``(1,)`` tensor on the device) keeps its shapes and buffers from step to
-    step and advances its position on the device: see :meth:`Transformer.new_cache`.
-    """
-
-    def __init__(self, num_layers: int, capacity: int, position: Tensor | None = None) -> None:
-        self.layers = [(KVCache(position), KVCache()) for _ in range(num_layers)]
-        self.capacity = capacity
-        self.length = 0
-        self.position = position
-        self.cross_spec: MaskSpec | None = None  # a static cache's cross-attention mask
-        self.rope: tuple[Tensor, Tensor] | None = None  # a static cache's RoPE angles for every position
-        self.window: Tensor | None = None  # see :meth:`attend_written`
-
-    def attend_written(self, filled: int) -> Tensor:
-        """Have a static cache's next step attend over the ``filled`` positions written and its own, not the whole
-        capacity: for an owner that counts positions on the host (a compiled CPU step, whose length dimension is
-        then dynamic), where a CUDA graph must read the same buffers every step. Returns the window,
-        ``arange(filled + 1)``."""
-        assert self.position is not None, "a dynamic cache attends over what it holds"
-        self.window = torch.arange(filled + 1, device=self.position.device)
-        for self_cache, _ in self.layers:
-            self_cache.window = self.window
-        return self.window
-
-    def select(self, index: Tensor, filled: int | None = None) -> None:
-        """Row ``i`` becomes row ``index[i]`` of before: beam search's reorder, or finished rows dropping out.
-
-        Cross-attention keys depend only on the source: they hold a row per source, shared by its beams (a group
-        of consecutive rows, see :class:`MultiHeadAttention`), and follow only when sources drop out; ``index``
-        then keeps whole groups. A static cache reorders in place and needs the number of positions ``filled``
-        (see :meth:`KVCache.select`).
-        """
-        rows = self.rows
-        if self.position is not None:  # refused before anything moves
-            if rows is not None and index.shape[0] != rows:
-                raise ValueError("a static cache keeps its rows: reorder them, or decode with a dynamic cache")
-            if filled is None:
-                raise ValueError("a static cache counts its positions on the device: pass the number filled")
-        for self_cache, cross_cache in self.layers:
-            if rows is not None and index.shape[0] != rows and cross_cache.k is not None:
-                cross_cache.select(_sources(index, rows // cross_cache.k.shape[0]))
-            self_cache.select(index, filled)
-
-    def dynamic(self, rows: Tensor, filled: int) -> DecoderCache:
-        """Rows ``rows`` of this static cache, ``filled`` positions written, as a dynamic cache: eager decoding goes on
-        from there, dropping rows as they finish (a static cache keeps them all). Under beam search ``rows`` keeps
-        whole groups of a source's beams, in any order within a group, and the cross-attention keeps their sources."""
-        cache = DecoderCache(len(self.layers), self.capacity)
-        for (static_self, static_cross), (new_self, new_cross) in zip(self.layers, cache.layers, strict=True):
-            assert static_self.k is not None and static_self.v is not None and static_cross.k is not None
-            new_self.k, new_self.v, new_self.length = static_self.k[rows], static_self.v[rows], filled
-            sources = _sources(rows, static_self.k.shape[0] // static_cross.k.shape[0])
-            new_cross.k, new_cross.v = static_cross.k[sources], static_cross.v[sources]
-            new_cross.length = new_cross.k.shape[-2]
-        cache.length = filled
-        return cache
-
-    def batched(self) -> list[Tensor]:
-        """The tensors it holds whose first dimension is the batch: every layer's keys and values."""
-        return [t for pair in self.layers for kv in pair for t in (kv.k, kv.v) if t is not None]
-
-    @property
-    def rows(self) -> int | None:
-        """The batch size the cache holds (decoder rows), ``None`` before the first step."""
-        k = self.layers[0][0].k if self.layers else None
-        return None if k is None else k.shape[0]
-
-
-def _sources(rows: Tensor, group: int) -> Tensor:
-    """The cross-attention rows (one per source) of decoder ``rows`` that keep whole groups of ``group`` beams."""
-    sources = rows[::group] // group
-    assert torch.equal(rows // group, sources.repeat_interleave(group)), "a source's rows move together"
-    return sources
 
 
 def _any_padding(pad: Tensor) -> Tensor | None:
@@ -162,6 +84,9 @@ class Transformer(nn.Module):
             self.register_buffer("pe", table, persistent=False)
         if config.position == "alibi":
             self.register_buffer("slopes", alibi_slopes(config.num_heads), persistent=False)
+        if config.position == "relative":  # T5: a bias per head and distance bucket, one table per stack
+            self.src_relative = nn.Embedding(config.relative_buckets, config.num_heads)
+            self.tgt_relative = nn.Embedding(config.relative_buckets, config.num_heads)
         if config.layernorm_embedding:
             self.src_embed_norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
             self.tgt_embed_norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
@@ -170,9 +95,8 @@ class Transformer(nn.Module):
         self.decoder_layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_decoder_layers))
         # Both stacks end in a LayerNorm, as in torch.nn.Transformer (pre-LN needs it; post-LN keeps parity), unless
         # ``final_norm`` is off (post-LN BART and Marian).
-        final_norm = (lambda: nn.LayerNorm(d, eps=config.layer_norm_eps)) if config.final_norm else nn.Identity
-        self.encoder_norm = final_norm()
-        self.decoder_norm = final_norm()
+        self.encoder_norm = make_norm(config) if config.final_norm else nn.Identity()
+        self.decoder_norm = make_norm(config) if config.final_norm else nn.Identity()
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -232,6 +156,14 @@ class Transformer(nn.Module):
     def _slopes(self) -> Tensor | None:
         return self.slopes if self.config.position == "alibi" else None
 
+    def _relative(self, encoder: bool, q_len: int, k_len: int, offset: int = 0) -> Tensor | None:
+        """T5's position bias ``(1, H, q_len, k_len)`` of the encoder's or the decoder's self-attention."""
+        c = self.config
+        if c.position != "relative":
+            return None
+        table = self.src_relative if encoder else self.tgt_relative
+        return relative_bias(table, q_len, k_len, offset, encoder, c.relative_max_distance)
+
     # --- public API ---------------------------------------------------------------------------------------
 
     def memory_padding(self, src: Tensor) -> Tensor:
@@ -280,7 +212,12 @@ class Transformer(nn.Module):
         window = c.window if c.encoder_attention == "local" else None
         pad, rows = _tokens(src == c.pad_id)
         if halo_padding is None:
-            spec = MaskSpec(key_padding=pad, window=window, alibi=self._slopes)
+            spec = MaskSpec(
+                key_padding=pad,
+                window=window,
+                alibi=self._slopes,
+                bias=self._relative(True, src.shape[1], src.shape[1]),
+            )
         else:
             assert window is not None, "halos exist under local attention only"
             spec = MaskSpec(key_padding=halo_padding, window=window, alibi=self._slopes, q_offset=window)
@@ -305,7 +242,12 @@ class Transformer(nn.Module):
         """What every decoder layer needs besides its input and ``memory``: masks, RoPE angles and, unless ``tgt``
         holds a cached decoding's new tokens (never padding), the rows that are not padding."""
         return DecoderContext(
-            MaskSpec(causal=True, alibi=self._slopes, q_offset=offset),
+            MaskSpec(
+                causal=True,
+                alibi=self._slopes,
+                bias=self._relative(False, tgt.shape[1], offset + tgt.shape[1], offset),
+                q_offset=offset,
+            ),
             MaskSpec(key_padding=_any_padding(memory_padding)),
             self._rope(offset, tgt.shape[1], tgt.device),
             None if cached else _tokens(_target_padding(tgt, self.config.pad_id))[1],
@@ -321,7 +263,8 @@ class Transformer(nn.Module):
     def logits(self, x: Tensor, targets: Tensor | None = None) -> Tensor:
         """Next-token logits ``(B, T, V)`` of the last decoder layer's output ``x (B, T, C)``; with ``targets``, a
         ``(B, T)`` mask, those positions' only, ``(N, V)``: a loss that skips padding needs no logits there."""
-        logits = self.lm_head(self.decoder_norm(x if targets is None else x[targets]))
+        x = self.decoder_norm(x if targets is None else x[targets])
+        logits = self.lm_head(x * self.config.d_model**-0.5 if self.config.scale_decoder_output else x)
         return logits + self.logits_bias.to(logits.dtype) if self.config.final_logits_bias else logits
 
     def _pool(self, x: Tensor, pad: Tensor) -> Tensor:
@@ -355,6 +298,8 @@ class Transformer(nn.Module):
         device = self.tgt_embed.weight.device
         cache = DecoderCache(len(self.decoder_layers), capacity, torch.zeros(1, dtype=torch.long, device=device))
         cache.rope = self._rope(0, capacity, device)
+        # One spare key column, as the key buffers keep (see KVCache.append): a window never spans the whole table.
+        cache.bias = self._relative(False, capacity, capacity + 1)
         cache.cross_spec = MaskSpec(key_padding=_any_padding(memory_padding))
         return cache
 
@@ -395,7 +340,10 @@ class Transformer(nn.Module):
         assert position is not None and cross_spec is not None
         keys = torch.arange(cache.capacity, device=tgt.device) if cache.window is None else cache.window
         future = (keys > position).expand(tgt.shape[0], -1)
-        self_spec = MaskSpec(key_padding=future, alibi=self._slopes, q_offset=position.squeeze(0))  # 0-d, as an int
+        bias = (
+            None if cache.bias is None else cache.bias.index_select(2, position)[..., : keys.shape[0]]
+        )  # (1, H, 1, K)
+        self_spec = MaskSpec(key_padding=future, alibi=self._slopes, bias=bias, q_offset=position.squeeze(0))
         rope = None if cache.rope is None else (cache.rope[0][position], cache.rope[1][position])
         x = self.embed_target(tgt, position)
         for i, layer in enumerate(self.decoder_layers):

@@ -328,6 +328,11 @@ def check_pipeline_parallel(config: TransformerConfig, processes: int, pipeline:
     """Raises :class:`SetupError` in one line when ``pipeline`` cannot cut a model of ``config`` over ``processes``
     (the strategy asks before the run folder is made; :func:`apply_pipeline_parallel` asks again)."""
     pipeline.check(processes)
+    if config.position == "relative":  # a bias table per stack, which stages would each hold and train apart
+        raise SetupError(
+            "pipeline parallelism does not split transformer.position='relative' (T5's) yet: train this model with "
+            "ddp, zero or fsdp"
+        )
     stages, layers = processes * pipeline.stages_per_rank, config.num_encoder_layers + config.num_decoder_layers
     if stages > layers:
         raise SetupError(

@@ -178,6 +178,13 @@ def check_tensor_parallel(config: TransformerConfig, processes: int) -> None:
             f"tensor_parallel_size={processes} must divide transformer.num_heads ({config.num_heads}) and "
             f"transformer.d_ff ({config.d_ff}): choose a tensor_parallel_size that divides both"
         )
+    t5 = {"position": "relative", "bias": False, "gated_ff": True}  # options no plan here splits yet
+    for name, value in t5.items():
+        if getattr(config, name) == value:
+            raise SetupError(
+                f"tensor parallelism does not split transformer.{name}={value!r} (T5's) yet: train this model with "
+                "ddp, zero or fsdp"
+            )
 
 
 def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, vocabulary: bool = True) -> Transformer:

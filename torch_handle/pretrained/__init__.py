@@ -2,7 +2,8 @@
 ``save_pretrained`` wrote becomes a model, its tokenizer and its decoding defaults, without ``transformers``.
 
 Each family is a function from ``config.json`` and ``generation_config.json`` to a ``TransformerConfig``; the tensors
-of every family here share one layout (:mod:`torch_handle.pretrained.layout`).
+of BART, Marian and PEGASUS share one layout (:mod:`torch_handle.pretrained.layout`), T5's have their own
+(:mod:`torch_handle.pretrained.t5`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from torch_handle.data.tokenizer import Specials, Tokenizer, pretrained_tokenize
 from torch_handle.export import Decoding, meta_shell
 from torch_handle.model import Transformer
 from torch_handle.model.config import ConfigError, TransformerConfig
-from torch_handle.pretrained import bart, marian
+from torch_handle.pretrained import bart, marian, t5
 from torch_handle.pretrained.layout import fill
 from torch_handle.pretrained.reader import (
     CONFIG,
@@ -26,6 +27,7 @@ from torch_handle.pretrained.reader import (
     read_json,
     read_weights,
     weight_files,
+    weight_names,
 )
 
 __all__ = ["FAMILIES", "fill", "is_pretrained_folder", "load_pretrained", "pretrained_config", "pretrained_tokenizer"]
@@ -36,6 +38,8 @@ FAMILIES: dict[str, Callable[[dict[str, Any], dict[str, Any]], TransformerConfig
     "mbart": bart.config,
     "marian": marian.config,
     "pegasus": marian.config,
+    "t5": t5.config,
+    "mt5": t5.config,
 }
 _DECODING = (  # the decoding defaults read, from generation_config.json or else from config.json
     "num_beams", "max_length", "length_penalty", "no_repeat_ngram_size", "repetition_penalty", "min_length",
@@ -55,6 +59,8 @@ def pretrained_config(folder: Path) -> tuple[TransformerConfig, Decoding, dict[s
         )
     try:
         config = family(hf, generation)
+        if config.position == "relative":  # T5: the weights tell whether the head is tied (see t5.untie)
+            config = t5.untie(config, weight_names(folder))
     except (ConfigError, KeyError, TypeError) as err:
         reason = f"config.json lacks {err}" if isinstance(err, KeyError) else str(err)
         raise CheckpointError(f"{folder}: {reason}") from None

@@ -1,4 +1,5 @@
-"""The tensor layout that BART, mBART, Marian and PEGASUS share in ``transformers``, mapped onto ours.
+"""The tensor layout that BART, mBART, Marian and PEGASUS share in ``transformers``, mapped onto ours (T5's is
+:mod:`torch_handle.pretrained.t5`, which :func:`target` and :func:`hf_names` defer to).
 
 Each Hugging Face tensor lands in one of our parameters (query, key and value in rows of the packed ``in_proj``),
 one tensor at a time; a shape that does not fit is one line naming the tensor, and so is a parameter left unfilled.
@@ -16,6 +17,7 @@ from torch import Tensor
 from torch_handle.checkpoints import CheckpointError
 from torch_handle.model import Transformer
 from torch_handle.model.config import ConfigError, TransformerConfig
+from torch_handle.pretrained import t5
 
 _ACTIVATIONS = {"gelu": "gelu", "relu": "relu", "swish": "silu", "silu": "silu"}
 _LAYER = re.compile(r"(encoder|decoder)\.layers\.(\d+)\.(.+)\.(weight|bias)")
@@ -73,6 +75,8 @@ def seq2seq_fields(hf: dict[str, Any], generation: dict[str, Any]) -> dict[str, 
 
 def target(name: str, model: Transformer) -> tuple[str, slice | None] | None:
     """Our parameter (and its rows) for the Hugging Face tensor ``name``; None for one we compute (a sinusoid)."""
+    if model.config.position == "relative":
+        return t5.target(name, model)
     name = name.removeprefix("model.")
     d = model.config.d_model
     match = _LAYER.fullmatch(name)
@@ -103,6 +107,8 @@ def target(name: str, model: Transformer) -> tuple[str, slice | None] | None:
 
 def hf_names(config: TransformerConfig) -> list[str]:
     """The names of the tensors ``save_pretrained`` writes for a model of ``config`` (tied ones once)."""
+    if config.position == "relative":
+        return t5.hf_names(config)
     pairs = ("weight", "bias")
     names = ["model.shared.weight", "final_logits_bias", *([] if config.tie_embeddings else ["lm_head.weight"])]
     attention = [f"{p}_proj.{k}" for p in ("q", "k", "v", "out") for k in pairs]

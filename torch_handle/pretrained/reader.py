@@ -92,6 +92,30 @@ def weight_files(folder: Path) -> list[Path]:
     return files
 
 
+def weight_names(folder: Path) -> set[str]:
+    """The names of the folder's tensors, from the safetensors headers, without reading the tensors (a
+    ``pytorch_model.bin`` is mapped, not read)."""
+    names: set[str] = set()
+    for file in weight_files(folder):
+        if file.suffix == ".safetensors":
+            with safe_open(file, framework="pt") as f:
+                names.update(f.keys())
+        else:
+            names.update(_load_bin(file))
+    return names
+
+
+def _load_bin(file: Path) -> dict[str, Tensor]:
+    """The state dict of a ``pytorch_model.bin`` (checked by :func:`check_zip`), mapped by the weights-only loader."""
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:  # the weights-only unpickler refuses with several exception types
+        raise CheckpointError(f"{file} holds more than tensors ({str(err).splitlines()[0]}): refused") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{file} is not a state dict: pass a folder written by save_pretrained")
+    return state
+
+
 def read_weights(folder: Path) -> Iterator[tuple[str, Tensor]]:
     """Every tensor of the folder's weights as ``(name, tensor)``, one shard at a time."""
     for file in weight_files(folder):
@@ -100,11 +124,6 @@ def read_weights(folder: Path) -> Iterator[tuple[str, Tensor]]:
                 for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                     yield key, f.get_tensor(key)
             continue
-        try:
-            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-        except Exception as err:  # the weights-only unpickler refuses with several exception types
-            raise CheckpointError(f"{file} holds more than tensors ({str(err).splitlines()[0]}): refused") from None
-        if not isinstance(state, dict):
-            raise CheckpointError(f"{file} is not a state dict: pass a folder written by save_pretrained")
+        state = _load_bin(file)
         yield from state.items()
         del state

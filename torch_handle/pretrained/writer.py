@@ -17,6 +17,8 @@ from torch_handle.ctranslate2 import ExportError, check_free
 from torch_handle.data.tokenizer import Tokenizer
 from torch_handle.export import Decoding
 from torch_handle.model import Transformer, TransformerConfig
+from torch_handle.model.config import WITHOUT_T5
+from torch_handle.pretrained import t5
 from torch_handle.pretrained.layout import hf_names, target
 
 # What each family fixes; a model that differs from every family gets the nearest one's first difference named.
@@ -36,8 +38,14 @@ _FAMILIES: dict[str, dict[str, Any]] = {
         "norm_first": True,
     },
 }
-_COMMON = {"final_logits_bias": True, "encoder_attention": "full", "cross_downsample": 1, "layer_norm_eps": 1e-5}
-_ACTIVATIONS = {"gelu": "gelu", "relu": "relu", "silu": "swish"}
+_COMMON = {
+    "final_logits_bias": True,
+    "encoder_attention": "full",
+    "cross_downsample": 1,
+    "layer_norm_eps": 1e-5,
+    **WITHOUT_T5,
+}
+_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "swish"}
 _ARCHITECTURES = {
     "bart": "BartForConditionalGeneration",
     "mbart": "MBartForConditionalGeneration",
@@ -48,6 +56,9 @@ _ARCHITECTURES = {
 
 def hf_family(config: TransformerConfig) -> tuple[str | None, str]:
     """The Hugging Face ``model_type`` that expresses ``config``; else None and one line naming the obstacle."""
+    if config.position == "relative":
+        reason = t5.obstacle(config)
+        return (None, reason) if reason else ("t5", "")
     if not config.shares_source_embedding:
         return None, "share_source_embedding=False: the families written here share one source and target embedding"
     nearest: tuple[int, str, str, Any] | None = None
@@ -67,6 +78,8 @@ def hf_family(config: TransformerConfig) -> tuple[str | None, str]:
 
 
 def _config_json(config: TransformerConfig, family: str) -> dict[str, Any]:
+    if family == "t5":
+        return t5.config_json(config)
     learned = config.position == "learned"
     return {
         "model_type": family,
