@@ -35,7 +35,8 @@ def test_config_parses_and_instantiates(
     path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
     data = (yaml.safe_load(path.read_text(encoding="utf-8")).get("data") or {}).get("init_args", {})
-    if any(str(value).startswith("data/") for value in data.values()):  # data/<corpus>, as prepare writes it
+    paths = [path for value in data.values() for path in (value if isinstance(value, list) else [value])]
+    if any(str(path).startswith("data/") for path in paths):  # data/<corpus>, as prepare writes it
         (tmp_path / "data").symlink_to(request.getfixturevalue("shared_data"))  # skips when it is absent
     monkeypatch.chdir(tmp_path)  # data paths in configs are relative to the working directory
     args = [*_stack(path), f"--trainer.default_root_dir={tmp_path}", *FAST]

@@ -17,30 +17,21 @@ from typing import Any
 
 import torch
 
-from torch_handle.checkpoints import CheckpointError, is_deepspeed_checkpoint, last_checkpoint
+from torch_handle.checkpoints import CheckpointError
 from torch_handle.data.tokenizer import Tokenizer
 from torch_handle.errors import SetupError
 from torch_handle.export import (
     Decoding,
-    exported_decoding,
-    exported_metadata,
-    exported_weights,
-    is_exported,
-    read_model,
 )
 from torch_handle.hierarchical import generate_summaries, summarize
 from torch_handle.model import CompiledDecode, Transformer, generate
 from torch_handle.model.logits import DecodingControls
 from torch_handle.model.steps import cpu_decoding_layout
 from torch_handle.pretrained import is_pretrained_folder, load_pretrained
+from torch_handle.pretrained.trained import KINDS, read_trained
 from torch_handle.quantize import quantize as quantize_model
 
 log = logging.getLogger(__name__)
-
-KINDS = (
-    "a .safetensors export, a .ckpt file, a DeepSpeed or FSDP checkpoint folder, a run folder, or a Hugging Face "
-    "model folder"
-)
 
 
 class Model:
@@ -277,16 +268,7 @@ def load(
 
 def _read(path: Path, attention_backend: str) -> tuple[Transformer, Tokenizer, Decoding]:
     """The model, tokenizer and decoding defaults of an export, a checkpoint or a run folder."""
-    if is_exported(path):
-        config, tokenizer = exported_metadata(path)
-        decoding, weights = exported_decoding(path, config), exported_weights(path)
-    else:
-        if path.is_dir() and not (is_deepspeed_checkpoint(path) or (path / ".metadata").is_file()):
-            if not (path / "checkpoints").is_dir():
-                raise CheckpointError(f"{path} is a folder but not a checkpoint or a run folder: pass {KINDS}")
-            path = last_checkpoint(path / "checkpoints")
-        weights, config, text, decoding = read_model(path)
-        tokenizer = Tokenizer.from_str(text)
+    weights, config, tokenizer, decoding = read_trained(path)
     model = Transformer(dataclasses.replace(config, attention_backend=attention_backend))
     model.load_state_dict(weights, strict=True)
     return model, tokenizer, decoding

@@ -39,6 +39,7 @@ from torch_handle.errors import SetupError
 from torch_handle.export import exported_metadata, exported_weights, is_exported, merged_checkpoint
 from torch_handle.hparams import RUNTIME, explicit_model_options, merge_checkpoint_options
 from torch_handle.layouts import deepspeed_refusal
+from torch_handle.pretrained.trained import init_tokenizer_path
 from torch_handle.strategies import require_deepspeed
 from torch_handle.tracking import configure_trackers, is_tracker, log_checkpoint_paths, record_run_ids
 
@@ -166,7 +167,7 @@ class TorchHandleCLI(LightningCLI):
             require_deepspeed()  # before jsonargparse folds the strategy's own error into a Union message
         init_from = config.model.get("init_from")
         if init_from is not None and config.data.init_args.tokenizer_path is None:
-            config.data.init_args.tokenizer_path = init_from  # a pretrained model reads its own tokenizer's ids
+            config.data.init_args.tokenizer_path = init_tokenizer_path(init_from)  # the model reads its tokenizer's ids
         # evaluation logs to a new tracker run
         configure_trackers(config, resume=self.subcommand == "fit" and config.get("ckpt_path") is not None)
         if self.subcommand not in EVALUATE:

@@ -33,8 +33,7 @@ from torch_handle.parallel import (
     sharded_logits,
     vocab_parallel_token_sums,
 )
-from torch_handle.pretrained import fill, pretrained_config
-from torch_handle.pretrained.reader import read_weights
+from torch_handle.pretrained.trained import init_config, init_weights
 
 Task = Literal["translation", "summarization"]
 
@@ -89,9 +88,11 @@ class Seq2SeqModule(Evaluation, Optimization):
         compile: ``torch.compile`` each encoder and decoder layer (as torchtitan compiles its blocks) once the
             parallelisation plans are applied, and the loss: fused kernels and fewer launches on a GPU, after a
             compilation of about a minute. Chosen for each run: checkpoints do not keep it.
-        init_from: A Hugging Face model folder (BART, mBART, Marian, PEGASUS) to start from: its architecture
-            replaces ``transformer`` (but for the attention kernel and activation checkpointing), its weights the
-            random ones, and its tokenizer the data's (:mod:`torch_handle.pretrained`).
+        init_from: A model to start from: a Hugging Face model folder (BART, mBART, Marian, PEGASUS, T5, mT5), or one
+            of ours as :func:`torch_handle.load` reads it (an export, a checkpoint, a run folder, e.g. a
+            ``--config pretrain`` run's): its architecture replaces ``transformer`` (but for the attention kernel and
+            activation checkpointing), its weights the random ones, and its tokenizer the data's
+            (:mod:`torch_handle.pretrained.trained`).
     """
 
     def __init__(
@@ -164,7 +165,7 @@ class Seq2SeqModule(Evaluation, Optimization):
         self.model = Transformer(config)
         self.config = config
         if init_from is not None:
-            fill(self.model, read_weights(Path(init_from)), init_from)
+            init_weights(self.model, Path(init_from))
         self.eval_metrics = torch.nn.ModuleDict({stage: self._new_metrics(stage) for stage in ("val", "test")})
         self._decoded: set[str] = set()  # stages that decoded in their current epoch
         self._naive_ratio: float | None = None  # this test's naive-baseline ratio (see ``naive_ratio``)
@@ -172,9 +173,9 @@ class Seq2SeqModule(Evaluation, Optimization):
         self._pipeline: Pipeline | None = None  # this process's pipeline stages, under pipeline parallelism
 
     def _pretrained_config(self, folder: Path, given: TransformerConfig, vocab_size: int) -> TransformerConfig:
-        """The architecture of the Hugging Face model in ``folder``, with ``given``'s run settings (attention
+        """The architecture of the model at ``folder`` (``init_from``), with ``given``'s run settings (attention
         kernel, activation checkpointing). Checkpoints keep it as ``transformer``, so they load without the folder."""
-        config, _, _ = pretrained_config(folder)
+        config = init_config(folder)
         if vocab_size != config.tgt_vocab_size:
             raise ConfigError(
                 f"--model.init_from {folder} embeds {config.tgt_vocab_size} tokens, the data's tokenizer has "

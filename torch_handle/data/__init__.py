@@ -20,6 +20,7 @@ from torch_handle.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenize
 from torch_handle.errors import DataError
 
 _LIGHTNING = {
+    "DenoisingDataModule": "torch_handle.data.pretrain",
     "Seq2SeqDataModule": "torch_handle.data.base",
     "SummarizationDataModule": "torch_handle.data.summarization",
     "TranslationDataModule": "torch_handle.data.translation",
@@ -34,6 +35,7 @@ __all__ = [
     "Batch",
     "Collator",
     "DataError",
+    "DenoisingDataModule",
     "Example",
     "ExampleDataset",
     "LengthSortedSampler",

@@ -60,6 +60,8 @@ class Seq2SeqDataModule(LightningDataModule, ABC):
 
     whole_source_splits: tuple[Split, ...] = ()
     """Splits whose long sources are decoded whole (hierarchically), so not truncated where it matters."""
+    batch_sampler: type[TokenBudgetBatchSampler] = TokenBudgetBatchSampler
+    """Batches training, validation and test (pretraining's also stamps each batch with its epoch)."""
 
     def __init__(
         self,
@@ -228,7 +230,7 @@ class Seq2SeqDataModule(LightningDataModule, ABC):
         trainer = self.trainer
         replicas, replica = self._shard()
         train = split == "train"
-        sampler = TokenBudgetBatchSampler(
+        sampler = self.batch_sampler(
             [self.collator.length(e) for e in dataset.examples],
             self.max_tokens,
             shuffle=shuffle,

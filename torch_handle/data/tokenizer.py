@@ -18,6 +18,7 @@ log = logging.getLogger(__name__)
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
 _WRAPPED = '{"torch_handle_specials"'  # how to_str marks a pretrained tokenizer's JSON
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")  # in id order
+MASK_TOKEN = "<mask>"  # denoising pretraining's (BART's name): added after the last id, so no id moves
 MAX_TOKEN_ID = 2**24 - 1  # far above any real vocabulary, far below an id whose table would exhaust memory
 
 
@@ -160,6 +161,19 @@ class Tokenizer:
             path: Destination file; its folder is created if needed.
         """
         atomic_write_text(path, self.to_str())
+
+    def with_mask(self) -> "Tokenizer":
+        """This tokenizer with a :data:`MASK_TOKEN`: itself if it has one (BART's), else a copy with one more id."""
+        if self._backend.token_to_id(MASK_TOKEN) is not None:
+            return self
+        copy = Tokenizer.from_str(self.to_str())
+        copy.backend.add_special_tokens([MASK_TOKEN])
+        return copy
+
+    @property
+    def mask_id(self) -> int | None:
+        """The id of :data:`MASK_TOKEN`; None without one (see :meth:`with_mask`)."""
+        return self._backend.token_to_id(MASK_TOKEN)
 
     @property
     def vocab_size(self) -> int:

@@ -1,0 +1,88 @@
+"""Our own trained models as a starting point: ``--model.init_from`` takes what :func:`torch_handle.load` reads.
+
+A Hugging Face folder is read by :mod:`torch_handle.pretrained`; an export, a checkpoint (file or folder) or a run
+folder (e.g. a denoising pretraining run, ``--config pretrain``) is read here, and gives the fine-tuning run its
+architecture, its weights and its tokenizer alike.
+"""
+
+from __future__ import annotations
+
+import atexit
+import shutil
+import tempfile
+from pathlib import Path
+
+from torch import Tensor
+
+from torch_handle.checkpoints import CheckpointError, is_deepspeed_checkpoint, last_checkpoint
+from torch_handle.data.tokenizer import Tokenizer
+from torch_handle.export import (
+    Decoding,
+    exported_decoding,
+    exported_metadata,
+    exported_weights,
+    is_exported,
+    read_model,
+)
+from torch_handle.model import Transformer
+from torch_handle.model.config import TransformerConfig
+from torch_handle.pretrained import fill, is_pretrained_folder, pretrained_config
+from torch_handle.pretrained.reader import read_weights
+
+KINDS = (
+    "a .safetensors export, a .ckpt file, a DeepSpeed or FSDP checkpoint folder, a run folder, or a Hugging Face "
+    "model folder"
+)
+
+
+def read_trained(path: Path) -> tuple[dict[str, Tensor], TransformerConfig, Tokenizer, Decoding]:
+    """The weights, config, tokenizer and decoding defaults of an export, a checkpoint or a run folder (its
+    ``checkpoints/last.ckpt``).
+
+    Raises:
+        CheckpointError: ``path`` is none of these, or damaged; the message names it.
+    """
+    if is_exported(path):
+        config, tokenizer = exported_metadata(path)
+        return exported_weights(path), config, tokenizer, exported_decoding(path, config)
+    if path.is_dir() and not (is_deepspeed_checkpoint(path) or (path / ".metadata").is_file()):
+        if not (path / "checkpoints").is_dir():
+            raise CheckpointError(f"{path} is a folder but not a checkpoint or a run folder: pass {KINDS}")
+        path = last_checkpoint(path / "checkpoints")
+    weights, config, text, decoding = read_model(path)
+    return weights, config, Tokenizer.from_str(text), decoding
+
+
+def init_config(path: Path) -> TransformerConfig:
+    """The architecture of ``--model.init_from``: a Hugging Face folder's, or one of ours (:func:`read_trained`)."""
+    if is_pretrained_folder(_existing(path)):
+        return pretrained_config(path)[0]
+    return read_trained(path)[1]
+
+
+def init_weights(model: Transformer, path: Path) -> None:
+    """Fills ``model`` with the weights of ``--model.init_from``, built from :func:`init_config`."""
+    if is_pretrained_folder(path):
+        fill(model, read_weights(path), str(path))
+    else:
+        model.load_state_dict(read_trained(path)[0], strict=True)
+
+
+def init_tokenizer_path(init_from: str) -> str:
+    """What ``--data.tokenizer_path`` reads for ``--model.init_from``: a Hugging Face folder itself, else our model's
+    tokenizer (``<mask>`` of a pretraining run included) written to a file removed when the process exits."""
+    path = _existing(Path(init_from))
+    if is_pretrained_folder(path):
+        return init_from
+    folder = tempfile.mkdtemp(prefix="torch-handle-init-")
+    atexit.register(shutil.rmtree, folder, True)
+    tokenizer = Path(folder) / "tokenizer.json"
+    read_trained(path)[2].save(tokenizer)
+    return str(tokenizer)
+
+
+def _existing(path: Path) -> Path:
+    """``path``, refused in one line when it does not exist."""
+    if not path.exists():
+        raise CheckpointError(f"--model.init_from {path} does not exist: pass {KINDS}")
+    return path
