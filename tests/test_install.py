@@ -15,7 +15,8 @@ from conftest import CorpusServer
 
 from tests.helpers import ROOT, TINY_MODEL, env
 from torch_handle import __version__
-from torch_handle.cli import config_path, main, shipped_configs
+from torch_handle.cli import main
+from torch_handle.commands import config_path, shipped_configs
 
 UNSHIPPED = (".git", "build", "*.egg-info", "runs", "__pycache__", ".pytest_cache", ".ruff_cache")
 

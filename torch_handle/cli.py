@@ -10,9 +10,7 @@ DataModules' typed signatures as the options (see ``--help``), the strategy as p
 from __future__ import annotations
 
 import importlib
-import os
 import sys
-from pathlib import Path
 from typing import NoReturn
 
 from lightning.pytorch.cli import LightningArgumentParser
@@ -21,7 +19,7 @@ from typing_extensions import override
 
 from torch_handle import __version__
 from torch_handle.checkpoints import CheckpointError
-from torch_handle.commands import TOOLS, typed_command
+from torch_handle.commands import TOOLS, config_path, shipped_configs, typed_command
 from torch_handle.data.base import Seq2SeqDataModule
 from torch_handle.errors import DataError, SetupError
 from torch_handle.lightning_cli import TorchHandleCLI
@@ -51,24 +49,6 @@ def user_error(err: BaseException | None) -> BaseException | None:
     return err
 
 
-def shipped_configs() -> Path:
-    """The shipped configs, inside the package (the checkout's top-level `configs/` links here)."""
-    return Path(__file__).parent / "configs"
-
-
-def config_path(value: str) -> str:
-    """``--config`` takes a path or a shipped config's name (``demo``, ``zero2``, ``zero2.yaml``). A file of that
-    name wins; a folder does not (the run folder ``demo/`` or the data folder ``multi30k/`` beside the user)."""
-    if os.path.isfile(value):
-        return value
-    shipped = shipped_configs()
-    for candidate in (shipped / value, shipped / f"{value}.yaml"):
-        if os.sep not in value and candidate.is_file():
-            return str(candidate)
-    names = ", ".join(sorted(path.stem for path in shipped.glob("*.yaml")))
-    raise SetupError(f"--config {value}: no such file, and no shipped config of that name (shipped: {names})")
-
-
 def with_config_paths(args: list[str]) -> list[str]:
     resolved = list(args)
     for i, arg in enumerate(resolved):
@@ -81,9 +61,10 @@ def with_config_paths(args: list[str]) -> list[str]:
 
 DESCRIPTION = (
     "Train, evaluate and use a handwritten Transformer. Subcommands: fit, validate, test, predict (below), and "
-    "prepare (download a corpus: {prepare} --help), export (a checkpoint to one safetensors file or a CTranslate2 "
-    "model folder: {export} --help), average (checkpoints' weights into one checkpoint: {average} --help), serve (a "
-    "model behind HTTP: {serve} --help). --config takes a path or a shipped config's name: {names}."
+    "prepare (download a corpus, or tokenize a config's training split to disk: {prepare} --help), export (a "
+    "checkpoint to one safetensors file or a CTranslate2 model folder: {export} --help), average (checkpoints' "
+    "weights into one checkpoint: {average} --help), serve (a model behind HTTP: {serve} --help). --config takes a "
+    "path or a shipped config's name: {names}."
 )
 
 

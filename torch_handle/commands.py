@@ -1,10 +1,13 @@
-"""The command a user typed to run torch-handle, so that messages and ``--help`` name what they can run again."""
+"""The command a user typed to run torch-handle, so that messages and ``--help`` name what they can run again; and
+the shipped configs that ``--config NAME`` finds."""
 
 from __future__ import annotations
 
 import os
 import sys
 from pathlib import Path
+
+from torch_handle.errors import SetupError
 
 PACKAGE = Path(__file__).resolve().parent
 TOOLS = {
@@ -41,3 +44,21 @@ def _package_module(argv0: str) -> str | None:
     if not path.is_relative_to(PACKAGE):
         return None
     return ".".join(("torch_handle", *path.relative_to(PACKAGE).with_suffix("").parts))
+
+
+def shipped_configs() -> Path:
+    """The shipped configs, inside the package (the checkout's top-level `configs/` links here)."""
+    return PACKAGE / "configs"
+
+
+def config_path(value: str) -> str:
+    """``--config`` takes a path or a shipped config's name (``demo``, ``zero2``, ``zero2.yaml``). A file of that
+    name wins; a folder does not (the run folder ``demo/`` or the data folder ``multi30k/`` beside the user)."""
+    if os.path.isfile(value):
+        return value
+    shipped = shipped_configs()
+    for candidate in (shipped / value, shipped / f"{value}.yaml"):
+        if os.sep not in value and candidate.is_file():
+            return str(candidate)
+    names = ", ".join(sorted(path.stem for path in shipped.glob("*.yaml")))
+    raise SetupError(f"--config {value}: no such file, and no shipped config of that name (shipped: {names})")

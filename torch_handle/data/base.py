@@ -12,6 +12,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from torch_handle.commands import typed_command
 from torch_handle.data.batching import (
     Collator,
     Example,
@@ -19,11 +20,13 @@ from torch_handle.data.batching import (
     LengthSortedSampler,
     TokenBudgetBatchSampler,
 )
+from torch_handle.data.pretokenized import PretokenizedDataset, write_pretokenized
 from torch_handle.data.resume import ResumableDataLoader, batches_processed
 from torch_handle.data.tokenizer import Tokenizer, pretrained_tokenizer
 from torch_handle.errors import DataError
 
 Split = Literal["train", "val", "test", "predict"]
+CHUNK = 10_000  # examples written at a time by write_pretokenized
 DATA_PARALLEL = "data_parallel"  # the device mesh dimension whose index chooses the shard
 _STAGE_SPLITS: dict[str, tuple[Split, ...]] = {
     "fit": ("train", "val"),
@@ -75,6 +78,7 @@ class Seq2SeqDataModule(LightningDataModule, ABC):
         num_workers: int,
         pin_memory: bool,
         seed: int,
+        pretokenized: str | None = None,
     ) -> None:
         """Stores the settings shared by all tasks; their meaning is documented on each task's DataModule,
         whose signature is the CLI."""
@@ -96,10 +100,12 @@ class Seq2SeqDataModule(LightningDataModule, ABC):
         self.num_workers = num_workers
         self.pin_memory = pin_memory
         self.seed = seed
+        self.pretokenized = pretokenized
         self.collator = Collator(max_source_tokens, max_target_tokens)
         self._tokenizer: Tokenizer | None = None
         self._texts: dict[Split, TextSplit | None] = {}
         self._datasets: dict[Split, ExampleDataset | None] = {}
+        self._pretokenized: PretokenizedDataset | None = None
 
     def fit_context(self, context_length: int | None) -> None:
         """Lowers the length limits to a model that reads at most ``context_length`` positions (None: any).
@@ -131,17 +137,22 @@ class Seq2SeqDataModule(LightningDataModule, ABC):
 
     @property
     def tokenizer(self) -> Tokenizer:
-        """The tokenizer: from ``tokenizer_path``, a checkpoint, or trained on the train split."""
+        """The tokenizer: the ``pretokenized`` folder's, from ``tokenizer_path``, a checkpoint, or trained on the train
+        split."""
         if self._tokenizer is None:
             if self.tokenizer_path is not None and Path(self.tokenizer_path).is_dir():
                 self._use(pretrained_tokenizer(Path(self.tokenizer_path)))  # a Hugging Face folder's (init_from)
             elif self.tokenizer_path is not None:
                 self._use(Tokenizer.from_file(self.tokenizer_path))
+            elif self.pretokenized is not None:
+                self._use(Tokenizer.from_str(self._pretokenized_train().tokenizer_json))
             else:
                 train = self._text("train")
                 if train is None or train.targets is None:
                     raise DataError("no tokenizer: set --data.tokenizer_path, or give training data to train one")
                 self._use(Tokenizer.train(chain(train.sources, train.targets), self.bpe_vocab_size))
+            if self.tokenizer_path is not None:
+                self._check_pretokenized(f"--data.init_args.tokenizer_path {self.tokenizer_path}")
         assert self._tokenizer is not None
         return self._tokenizer
 
@@ -167,10 +178,32 @@ class Seq2SeqDataModule(LightningDataModule, ABC):
         Args:
             split: Which split.
         """
+        if split not in self._datasets and split == "train" and self.pretokenized is not None:
+            self._check_pretokenized("the run")
+            self._datasets[split] = self._pretokenized_train()
         if split not in self._datasets:
             text = self._text(split)
             self._datasets[split] = None if text is None else self._encode(text, split)
         return self._datasets[split]
+
+    def write_pretokenized(self, out: str | Path) -> int:
+        """Writes the training split, tokenized as :meth:`setup` tokenizes it, to a folder that ``pretokenized``
+        reads; the number of examples written.
+
+        Args:
+            out: The folder to write; it must not exist, or be empty.
+        """
+        if self.pretokenized is not None:
+            raise DataError("the training split is already pre-tokenized: unset --data.init_args.pretokenized")
+        dataset = self.dataset("train")
+        if dataset is None:
+            raise DataError("nothing to pre-tokenize: the config gives no training split")
+        examples = dataset.examples
+        chunks = (
+            ([e.src_ids for e in examples[i : i + CHUNK]], [e.tgt_ids or [] for e in examples[i : i + CHUNK]])
+            for i in range(0, len(examples), CHUNK)
+        )
+        return write_pretokenized(out, self.tokenizer, chunks)
 
     @override
     def train_dataloader(self) -> DataLoader | list[DataLoader]:
@@ -218,6 +251,8 @@ class Seq2SeqDataModule(LightningDataModule, ABC):
         if self._tokenizer is not None and restored.to_str() == self._tokenizer.to_str():
             return
         self._use(restored)
+        if "train" in self._datasets:  # fitting: the folder's ids must be the checkpoint tokenizer's
+            self._check_pretokenized("the checkpoint")
         self._datasets = {}
         for split, text in self._texts.items():
             self._datasets[split] = None if text is None else self._encode(text, split)
@@ -230,15 +265,16 @@ class Seq2SeqDataModule(LightningDataModule, ABC):
         trainer = self.trainer
         replicas, replica = self._shard()
         train = split == "train"
+        lengths, scored = self.collator.costs(*dataset.token_counts())
         sampler = self.batch_sampler(
-            [self.collator.length(e) for e in dataset.examples],
+            lengths,
             self.max_tokens,
             shuffle=shuffle,
             seed=self.seed,
             num_replicas=replicas,
             rank=replica,
             # Training batches carry their optimizer step's target tokens, the loss's normaliser.
-            scored=[self.collator.scored_tokens(e) for e in dataset.examples] if train else None,
+            scored=scored if train else None,
             accumulate=trainer.accumulate_grad_batches if train and trainer is not None else 1,
         )
         options = {
@@ -267,6 +303,22 @@ class Seq2SeqDataModule(LightningDataModule, ABC):
             return trainer.world_size, trainer.global_rank
         data = mesh[DATA_PARALLEL]
         return data.size(), data.get_local_rank()
+
+    def _pretokenized_train(self) -> PretokenizedDataset:
+        """The ``pretokenized`` folder's training split, opened (and checked) once."""
+        assert self.pretokenized is not None
+        if self._pretokenized is None:
+            self._pretokenized = PretokenizedDataset(self.pretokenized)
+        return self._pretokenized
+
+    def _check_pretokenized(self, whose: str) -> None:
+        """Refuses a ``pretokenized`` folder written with another tokenizer than ``whose`` (its ids would be wrong)."""
+        if self.pretokenized is not None and self.tokenizer.to_str() != self._pretokenized_train().tokenizer_json:
+            raise DataError(
+                f"--data.init_args.pretokenized {self.pretokenized} was tokenized with another tokenizer than "
+                f"{whose}'s: write it again with that tokenizer ({typed_command('prepare')} tokens), or train from "
+                "the text files"
+            )
 
     def _text(self, split: Split) -> TextSplit | None:
         if split not in self._texts:

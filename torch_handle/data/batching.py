@@ -6,6 +6,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 from typing_extensions import override
@@ -50,7 +51,11 @@ class BatchIndices(list[int]):
 
 
 class ExampleDataset(Dataset[Example]):
-    """A split held in memory, tokenized once in ``setup()``."""
+    """A split held in memory, tokenized once in ``setup()``.
+
+    Subclasses that hold their examples elsewhere (:class:`~torch_handle.data.pretokenized.PretokenizedDataset`,
+    on disk) override :meth:`__len__`, :meth:`example` and :meth:`token_counts`; repeats and step stamps are shared.
+    """
 
     def __init__(self, examples: list[Example]) -> None:
         """Holds the examples.
@@ -63,12 +68,23 @@ class ExampleDataset(Dataset[Example]):
     def __len__(self) -> int:
         return len(self.examples)
 
+    def example(self, index: int) -> Example:
+        """Example ``index``, in ``[0, len(self))``."""
+        return self.examples[index]
+
+    def token_counts(self) -> tuple[np.ndarray, np.ndarray | None]:
+        """Every example's source and target token counts (targets None for prediction inputs), before truncation."""
+        sources = np.fromiter((len(e.src_ids) for e in self.examples), np.int64, len(self.examples))
+        if any(e.tgt_ids is None for e in self.examples):
+            return sources, None
+        return sources, np.fromiter((len(e.tgt_ids or ()) for e in self.examples), np.int64, len(self.examples))
+
     @override
     def __getitem__(self, index: int) -> Example:
         """Indices past the end are the sampler's repeats: ``index - len(self)``, marked as such."""
-        if index >= len(self.examples):
-            return dataclasses.replace(self.examples[index - len(self.examples)], repeat=True)
-        return self.examples[index]
+        if index >= len(self):
+            return dataclasses.replace(self.example(index - len(self)), repeat=True)
+        return self.example(index)
 
     def __getitems__(self, indices: Sequence[int]) -> list[Example]:
         """A batch (the DataLoader's batched fetch), stamped with its step's token count if it carries one."""
@@ -93,15 +109,24 @@ class Collator:
     def source_ids(self, example: Example) -> list[int]:
         """The source row before padding."""
         s = self.specials
-        return [*s.source_prefix, *example.src_ids[: self.max_source_tokens - 1 - len(s.source_prefix)], s.eos_id]
+        return [*s.source_prefix, *example.src_ids[: self._source_keep], s.eos_id]
 
     def target_ids(self, example: Example) -> list[int]:
         """The target row before padding; empty for prediction inputs."""
         if example.tgt_ids is None:
             return []
         s = self.specials
-        keep = self.max_target_tokens - 2 - len(s.target_prefix)
-        return [s.bos_id, *s.target_prefix, *example.tgt_ids[:keep], s.eos_id]
+        return [s.bos_id, *s.target_prefix, *example.tgt_ids[: self._target_keep], s.eos_id]
+
+    @property
+    def _source_keep(self) -> int:
+        """Source tokens a row keeps."""
+        return self.max_source_tokens - 1 - len(self.specials.source_prefix)
+
+    @property
+    def _target_keep(self) -> int:
+        """Target tokens a row keeps."""
+        return self.max_target_tokens - 2 - len(self.specials.target_prefix)
 
     def scored_tokens(self, example: Example) -> int:
         """Target tokens the loss scores (all but ``<bos>``): what the example weighs in the loss."""
@@ -110,6 +135,20 @@ class Collator:
     def length(self, example: Example) -> int:
         """The longer of the two rows: what the example costs in a token budget."""
         return max(len(self.source_ids(example)), len(self.target_ids(example)))
+
+    def costs(self, sources: np.ndarray, targets: np.ndarray | None) -> tuple[list[int], list[int]]:
+        """:meth:`length` and :meth:`scored_tokens` of many examples at once, from their token counts alone.
+
+        Args:
+            sources: Each example's source token count, before truncation.
+            targets: Each example's target token count; None for prediction inputs.
+        """
+        s = self.specials
+        source_rows = len(s.source_prefix) + np.minimum(sources, self._source_keep) + 1
+        if targets is None:
+            return source_rows.tolist(), [0] * len(sources)
+        target_rows = 2 + len(s.target_prefix) + np.minimum(targets, self._target_keep)
+        return np.maximum(source_rows, target_rows).tolist(), (target_rows - 1).tolist()
 
     def __call__(self, examples: Sequence[Example]) -> Batch:
         has_target = [e.tgt_ids is not None for e in examples]
@@ -201,7 +240,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         self._resume_at: tuple[int, int] | None = None  # (epoch, batches to skip) from load_state_dict
         self._batches_done = 0
         # The batch count does not depend on how ties are ordered, so one cut gives it for every epoch.
-        num_batches = len(self._cut(sorted(range(len(self.lengths)), key=self.lengths.__getitem__)))
+        num_batches = len(self._cut(np.argsort(self.lengths, kind="stable").tolist()))
         if drop_last:
             self._per_rank = num_batches // num_replicas
         else:
@@ -262,8 +301,9 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         """This rank's batches for the current epoch, each with its optimizer step's target tokens."""
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
         n = len(self.lengths)
-        tiebreak = torch.randperm(n, generator=generator).tolist() if self.shuffle else range(n)
-        batches = self._cut(sorted(range(n), key=lambda i: (self.lengths[i], tiebreak[i])))
+        tiebreak = torch.randperm(n, generator=generator).numpy() if self.shuffle else np.arange(n)
+        # By length, ties by the tiebreak: argsorts rather than sorted(), which holds a key tuple per example.
+        batches = self._cut(np.lexsort((tiebreak, self.lengths)).tolist())
         if self.shuffle:
             batches = [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
         total = self._per_rank * self.num_replicas

@@ -47,6 +47,7 @@ class SummarizationDataModule(Seq2SeqDataModule):
         num_workers: int = 0,
         pin_memory: bool = False,
         seed: int = 0,
+        pretokenized: str | None = None,
     ) -> None:
         """Configures where the documents come from and how they are batched.
 
@@ -84,6 +85,9 @@ class SummarizationDataModule(Seq2SeqDataModule):
             num_workers: DataLoader worker processes; 0 collates in the main process.
             pin_memory: Pin batches in page-locked memory for faster copies to a GPU.
             seed: Seeds batch shuffling (with the epoch).
+            pretokenized: A folder that ``torch-handle prepare tokens`` wrote from this config: training then reads
+                its ids from disk, example by example, instead of reading and tokenizing the training file in memory
+                (for corpora larger than memory), with the folder's tokenizer; the batches are the same.
         """
         super().__init__(
             tokenizer_path=tokenizer_path,
@@ -96,6 +100,7 @@ class SummarizationDataModule(Seq2SeqDataModule):
             num_workers=num_workers,
             pin_memory=pin_memory,
             seed=seed,
+            pretokenized=pretokenized,
         )
         self.files = {"train": train_file, "val": val_file, "test": test_file, "predict": predict_file}
         self.document_field = document_field

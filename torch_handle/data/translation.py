@@ -35,6 +35,7 @@ class TranslationDataModule(Seq2SeqDataModule):
         pin_memory: bool = False,
         seed: int = 0,
         demo_size: int = 20000,
+        pretokenized: str | None = None,
     ) -> None:
         """Configures where the pairs come from and how they are batched.
 
@@ -63,6 +64,9 @@ class TranslationDataModule(Seq2SeqDataModule):
             pin_memory: Pin batches in page-locked memory for faster copies to a GPU.
             seed: Seeds batch shuffling (with the epoch) and the demo corpus.
             demo_size: Training pairs in the demo task (val and test get 500 each).
+            pretokenized: A folder that ``torch-handle prepare tokens`` wrote from this config: training then reads
+                its ids from disk, example by example, instead of reading and tokenizing the training files in memory
+                (for corpora larger than memory), with the folder's tokenizer; the batches are the same.
         """
         super().__init__(
             tokenizer_path=tokenizer_path,
@@ -75,6 +79,7 @@ class TranslationDataModule(Seq2SeqDataModule):
             num_workers=num_workers,
             pin_memory=pin_memory,
             seed=seed,
+            pretokenized=pretokenized,
         )
         if data_dir is not None and not Path(data_dir).is_dir():
             raise DataError(

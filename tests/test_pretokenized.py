@@ -1,0 +1,226 @@
+"""The pre-tokenized training path (``prepare tokens``, ``--data.init_args.pretokenized``): the same batches as the
+in-memory path on any number of ranks, exact mid-epoch resume, refused folders, and training under a memory cap."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from helpers import ROOT, RUN_TIMEOUT, env, fit_args
+
+from torch_handle.data import DataError, Tokenizer, TranslationDataModule
+from torch_handle.data.prepare import main as prepare
+from torch_handle.data.pretokenized import META, OFFSET, SIDES, TOKEN, PretokenizedDataset, describe
+from torch_handle.data.tokenizer import Specials
+
+MULTI30K = Path(__file__).resolve().parents[2] / "shared" / "data" / "multi30k"
+LINES = 3000
+
+
+def _trainer(replicas: int, rank: int, processed: int = 0) -> SimpleNamespace:
+    """What the DataModule reads of a Trainer: its shard, accumulation and the batches trained this epoch."""
+    progress = SimpleNamespace(current=SimpleNamespace(processed=processed))
+    return SimpleNamespace(
+        world_size=replicas,
+        global_rank=rank,
+        lightning_module=None,
+        accumulate_grad_batches=2,
+        fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)),
+    )
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The first lines of Multi30k's train and val, and their training split written pre-tokenized to ``tokens/``."""
+    if not MULTI30K.is_dir():
+        pytest.skip(f"real data not found at {MULTI30K}")
+    folder = tmp_path_factory.mktemp("multi30k")
+    for split in ("train", "val"):
+        for lang in ("en", "de"):
+            lines = (MULTI30K / f"{split}.{lang}").read_text(encoding="utf-8").splitlines()[:LINES]
+            (folder / f"{split}.{lang}").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    assert _module(folder).write_pretokenized(folder / "tokens") == LINES
+    return folder
+
+
+def _module(folder: Path, **options: object) -> TranslationDataModule:
+    settings = {"bpe_vocab_size": 1000, "max_tokens": 600, "max_source_tokens": 24, "max_target_tokens": 24, "seed": 3}
+    return TranslationDataModule(data_dir=str(folder), **{**settings, **options})
+
+
+def _batches(dm: TranslationDataModule, epoch: int, **trainer: int) -> list[dict]:
+    dm.trainer = _trainer(**trainer)
+    loader = dm.train_dataloader()
+    loader.batch_sampler.set_epoch(epoch)
+    return [{k: b[k] for k in ("src", "tgt", "step_tokens", "repeat")} for b in loader]
+
+
+def _assert_same(want: list[dict], got: list[dict]) -> None:
+    assert len(want) == len(got) > 0
+    for a, b in zip(want, got, strict=True):
+        assert torch.equal(a["src"], b["src"]) and torch.equal(a["tgt"], b["tgt"])
+        assert (a["step_tokens"], a["repeat"]) == (b["step_tokens"], b["repeat"])
+
+
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_batches_equal_the_in_memory_path(corpus: Path, replicas: int) -> None:
+    """Every rank's batches of two epochs: the same ids, truncation, step token counts and repeats."""
+    memory, disk = _module(corpus), _module(corpus, pretokenized=str(corpus / "tokens"))
+    for epoch in (0, 1):
+        for rank in range(replicas):
+            _assert_same(
+                _batches(memory, epoch, replicas=replicas, rank=rank),
+                _batches(disk, epoch, replicas=replicas, rank=rank),
+            )
+    assert disk.tokenizer.to_str() == memory.tokenizer.to_str()
+
+
+@pytest.mark.parametrize("specials", [Specials(), Specials(bos_id=2, source_prefix=(0,), target_prefix=(0, 1))])
+def test_costs_from_counts_equal_each_examples(corpus: Path, specials: Specials) -> None:
+    """The lengths and scored tokens both paths batch by, from token counts alone, are those of the collated rows."""
+    dm = _module(corpus)
+    examples = dm.dataset("train").examples
+    collator = dataclasses.replace(dm.collator, specials=specials)
+    lengths, scored = collator.costs(*dm.dataset("train").token_counts())
+    assert lengths == [collator.length(e) for e in examples]
+    assert scored == [collator.scored_tokens(e) for e in examples]
+    assert max(len(e.src_ids) for e in examples) > collator.max_source_tokens  # truncation is exercised
+
+
+def test_resumes_mid_epoch_exactly(corpus: Path) -> None:
+    """A loader restored from the state a checkpoint saves after 5 trained batches yields the epoch's remaining ones."""
+    dm = _module(corpus, pretokenized=str(corpus / "tokens"))
+    full = _batches(dm, epoch=2, replicas=2, rank=1)
+    dm.trainer = _trainer(replicas=2, rank=1, processed=5)
+    state = dm.train_dataloader().state_dict() | {"epoch": 2}
+    resumed = _module(corpus, pretokenized=str(corpus / "tokens"))
+    resumed.trainer = _trainer(replicas=2, rank=1)
+    loader = resumed.train_dataloader()
+    loader.load_state_dict(state)
+    loader.batch_sampler.set_epoch(2)  # Lightning sets the epoch again when it restarts the loop
+    _assert_same(full[5:], [{k: b[k] for k in ("src", "tgt", "step_tokens", "repeat")} for b in loader])
+
+
+def _copy(corpus: Path, tmp_path: Path) -> Path:
+    folder = tmp_path / "tokens"
+    folder.mkdir()
+    for file in (corpus / "tokens").iterdir():
+        (folder / file.name).write_bytes(file.read_bytes())
+    return folder
+
+
+def _truncate(folder: Path) -> None:
+    with open(folder / "target.tokens", "r+b") as file:
+        file.truncate(100)
+
+
+def _edit_offsets(folder: Path) -> None:
+    data = bytearray((folder / "source.offsets").read_bytes())
+    data[8] ^= 1
+    (folder / "source.offsets").write_bytes(bytes(data))
+
+
+def _foreign(folder: Path) -> None:  # a litdata folder, say
+    (folder / META).unlink()
+    (folder / "index.json").write_text(json.dumps({"chunks": [], "config": {}}))
+
+
+def _newer(folder: Path) -> None:
+    meta = json.loads((folder / META).read_text())
+    (folder / META).write_text(json.dumps({**meta, "version": 2}))
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (_truncate, "target.tokens has 100 bytes, not the"),
+        (_edit_offsets, "source.offsets fails its sha256"),
+        (_foreign, "is not a pre-tokenized folder"),
+        (_newer, "format version 2, this torch-handle reads 1"),
+    ],
+)
+def test_damaged_or_foreign_folders_are_refused(corpus: Path, tmp_path: Path, damage, message: str) -> None:
+    folder = _copy(corpus, tmp_path)
+    damage(folder)
+    with pytest.raises(DataError) as err:
+        _module(corpus, pretokenized=str(folder)).setup("fit")
+    assert "\n" not in str(err.value) and message in str(err.value)
+    assert "prepare tokens" in str(err.value)
+
+
+@pytest.mark.parametrize("value", [-1, 1000])
+def test_ids_out_of_the_vocabulary_are_refused_when_read(corpus: Path, tmp_path: Path, value: int) -> None:
+    """A token file changed in place (its size kept) is caught on reading, not as an index error in the model."""
+    folder = _copy(corpus, tmp_path)
+    with open(folder / "source.tokens", "r+b") as file:
+        file.write(np.array([value], TOKEN).tobytes())
+    dataset = PretokenizedDataset(folder)
+    assert dataset.example(1).src_ids  # other examples read
+    with pytest.raises(DataError, match=r"source.tokens changed after it was written \(example 0 reads wrong\)"):
+        dataset.example(0)
+
+
+def test_a_folder_of_another_tokenizer_is_refused(corpus: Path, tmp_path: Path) -> None:
+    """Stale: the run's tokenizer (given, or a checkpoint's) is not the one the folder's ids come from."""
+    other = Tokenizer.train(["ein Hund läuft", "a dog runs"] * 50, 300)
+    other.save(tmp_path / "other.json")
+    for dm, load in (
+        (_module(corpus, pretokenized=str(corpus / "tokens"), tokenizer_path=str(tmp_path / "other.json")), None),
+        (_module(corpus, pretokenized=str(corpus / "tokens")), {"tokenizer": other.to_str()}),
+    ):
+        with pytest.raises(DataError, match=r"was tokenized with another tokenizer than (.*tokenizer_path|the checkp)"):
+            dm.setup("fit")
+            dm.load_state_dict(load)
+
+
+def test_prepare_tokens_writes_the_configs_training_split(corpus: Path, tmp_path: Path) -> None:
+    """``prepare tokens`` reads the config's data section and its overrides; bad input is one line."""
+    config = tmp_path / "data.yaml"
+    config.write_text(
+        "data:\n  class_path: torch_handle.data.TranslationDataModule\n  init_args:\n"
+        f"    data_dir: {corpus}\n    bpe_vocab_size: 1000\n    pretokenized: elsewhere\n"
+    )
+    prepare(["tokens", "--config", str(config), "--out", str(tmp_path / "out"), "--data.init_args.max_tokens", "600"])
+    for name in ("source.tokens", "target.offsets", "tokenizer.json"):
+        assert (tmp_path / "out" / name).read_bytes() == (corpus / "tokens" / name).read_bytes()
+    with pytest.raises(SystemExit, match=r"^error: .*unexpected keyword argument 'max_tokenz'$"):
+        prepare(["tokens", "--config", str(config), "--out", str(tmp_path / "o2"), "--data.init_args.max_tokenz=1"])
+    assert not (tmp_path / "o2").exists()
+
+
+CAP = 2_500_000_000  # bytes of address space: a tiny CPU fit needs less, the corpus below is over three times this
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(RUN_TIMEOUT)
+def test_trains_under_an_address_space_cap_the_corpus_exceeds(tmp_path: Path) -> None:
+    """``fit`` under ``prlimit --as`` trains on a generated pre-tokenized corpus over three times the cap: nothing maps
+    or holds the whole corpus. The token files are sparse (ids of 0, the same read path), so the test writes little."""
+    tokens = tmp_path / "tokens"
+    tokens.mkdir()
+    rows, length = 100_000, 10_000  # 2 x 4 GB of int32 ids, cut to max_source_tokens per example by the collator
+    for side in SIDES:
+        np.arange(0, (rows + 1) * length, length, dtype=OFFSET).tofile(tokens / f"{side}.offsets")
+        with open(tokens / f"{side}.tokens", "wb") as file:
+            file.truncate(rows * length * TOKEN.itemsize)
+    describe(tokens, Tokenizer.train([f"w{i} v{i}" for i in range(300)], 300), rows)
+    assert sum(f.stat().st_size for f in tokens.iterdir()) > 3 * CAP
+    args = fit_args(
+        tmp_path / "run",
+        "--data.init_args.pretokenized", str(tokens),
+        "--data.init_args.max_tokens", "256",
+        "--data.init_args.max_source_tokens", "32",
+        "--data.init_args.max_target_tokens", "32",
+        "--trainer.max_steps", "3",
+    )  # fmt: skip
+    run = subprocess.run(
+        ["prlimit", f"--as={CAP}", sys.executable, "cli.py", *args],
+        cwd=ROOT, env=env(), capture_output=True, text=True, timeout=RUN_TIMEOUT,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "`Trainer.fit` stopped: `max_steps=3` reached." in run.stderr
