@@ -6,9 +6,10 @@ On one device ZeRO partitions nothing away, and what it adds to a step is Python
   bf16 unless a DeepSpeed config asks for it.
 - ZeRO-3 gathers and releases parameters in hooks around every submodule; the strategy makes each encoder and
   decoder layer one unit instead (:func:`torch_handle.parallel.set_zero3_units`).
-Each setting is the module's Lightning step (``gpu_steps._lightning_step``) in ``bf16-mixed`` of a model as deep as the
-GPU suite's ~400M one (365 parameter tensors, 24 layers) but narrow, so the step is mostly host time; each in its own
-process, the settings alternating for ``--rounds`` rounds; the median of each setting's per-process medians.
+Each setting is the module's Lightning step (``gpu.throughput.lightning_step``) in ``bf16-mixed`` of a model as
+deep as the GPU suite's ~400M one (365 parameter tensors, 24 layers) but narrow, so the step is mostly host time;
+each in its own process, the settings alternating for ``--rounds`` rounds; the median of each setting's per-process
+medians.
 
 Usage::
 
@@ -41,7 +42,9 @@ TINY = {"d_model": 16, "num_heads": 2, "num_encoder_layers": 2, "num_decoder_lay
 def child(setting: str, dry_run: bool) -> None:
     """One setting in this process: prints ``{"seconds": median step, "tensors": parameter tensors}``."""
     import torch
-    from gpu_steps import Setting, Timing, _batches, _lightning_step, deepspeed_default_hooks
+    from gpu.setting import Setting
+    from gpu.strategy_throughput import deepspeed_default_hooks
+    from gpu.throughput import Timing, lightning_step, random_batches
     from typing_extensions import override
 
     from torch_handle.model import Transformer, TransformerConfig
@@ -68,8 +71,8 @@ def child(setting: str, dry_run: bool) -> None:
         "zero3_submodules": lambda: deepspeed_default_hooks(stage=3),
     }[setting]()
     warmup, steps = (1, 3) if dry_run else (5, 20)
-    batches = _batches(1000, 4, 16, warmup + steps)
-    seconds, _ = _lightning_step(Timing(config, where, warmup, steps), batches, (), strategy)
+    batches = random_batches(1000, 4, 16, warmup + steps)
+    seconds, _ = lightning_step(Timing(config, where, warmup, steps), batches, (), strategy)
     with torch.device("meta"):  # counted without allocating a second model
         tensors = len(list(Transformer(config).parameters()))
     print(json.dumps({"seconds": seconds, "tensors": tensors}))
