@@ -191,6 +191,15 @@ def test_prepare_tokens_writes_the_configs_training_split(corpus: Path, tmp_path
     with pytest.raises(SystemExit, match=r"^error: .*unexpected keyword argument 'max_tokenz'$"):
         prepare(["tokens", "--config", str(config), "--out", str(tmp_path / "o2"), "--data.init_args.max_tokenz=1"])
     assert not (tmp_path / "o2").exists()
+    before = {f.name: f.read_bytes() for f in (tmp_path / "out").iterdir()}
+    with pytest.raises(SystemExit) as exit_info:  # again into the written folder: refused, the folder untouched
+        prepare(["tokens", "--config", str(config), "--out", str(tmp_path / "out")])
+    out = tmp_path / "out"
+    assert (
+        str(exit_info.value.code)
+        == f"error: {out} already exists and is not empty: pass a new --out, or remove {out} first"
+    )
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before
 
 
 CAP = 2_500_000_000  # bytes of address space: a tiny CPU fit needs less, the corpus below is over three times this

@@ -136,9 +136,11 @@ def tokens(argv: list[str]) -> None:
     parser.add_argument("--out", required=True, help="the folder to write (must not exist, or be empty)")
     options, rest = parser.parse_known_args(argv)
     from torch_handle.data.base import Seq2SeqDataModule
+    from torch_handle.data.pretokenized import refuse_existing
 
     data: dict = {}
     try:
+        refuse_existing(options.out)  # before any tokenizing
         for config in options.config:
             section = (yaml.safe_load(Path(config_path(config)).read_text(encoding="utf-8")) or {}).get("data") or {}
             if section.get("class_path", data.get("class_path")) != data.get("class_path"):

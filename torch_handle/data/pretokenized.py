@@ -39,6 +39,13 @@ TOKEN = np.dtype("<i4")
 OFFSET = np.dtype("<i8")
 
 
+def refuse_existing(out: str | Path) -> None:
+    """Refuses ``out`` in one line if it is a file or a folder that holds anything: a write never replaces it."""
+    out = Path(out)
+    if out.is_file() or (out.is_dir() and any(out.iterdir())):
+        raise DataError(f"{out} already exists and is not empty: pass a new --out, or remove {out} first")
+
+
 def write_pretokenized(
     out: str | Path, tokenizer: Tokenizer, rows: Iterable[tuple[list[list[int]], list[list[int]]]]
 ) -> int:
@@ -49,6 +56,7 @@ def write_pretokenized(
         tokenizer: The tokenizer the ids come from.
         rows: Chunks of (source ids, target ids) lists, in example order; a chunk at a time is held in memory.
     """
+    refuse_existing(out)
     with atomic_folder(out) as tmp:
         files = {
             f"{side}.{kind}": open(tmp / f"{side}.{kind}", "wb") for side in SIDES for kind in ("tokens", "offsets")
