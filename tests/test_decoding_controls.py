@@ -339,3 +339,21 @@ def test_controls_typed_for_test_or_predict_override_the_checkpoints() -> None:
         checkpoint = {**saved, "transformer": {"d_model": 32}}
         merged, notes = merge_checkpoint_options(checkpoint, parsed, {"no_repeat_ngram_size"}, set(), "last.ckpt")
         assert merged == {**saved, "no_repeat_ngram_size": 3, "transformer": {"d_model": 32}} and not notes
+
+
+@pytest.mark.parametrize(("processes", "seed", "expected"), [(1, None, None), (2, None, 12345), (2, 7, 7)])
+def test_seedless_sampling_on_several_processes_takes_rank_zeros_seed(
+    processes: int, seed: int | None, expected: int | None
+) -> None:
+    """Ranks that split one source (tensor or context parallelism) must draw the same tokens: without a seed, each
+    loop takes the one rank 0 broadcasts; one process keeps drawing afresh at each call; a given seed stays."""
+    from types import SimpleNamespace
+
+    from torch_handle.module import Seq2SeqModule
+
+    module = Seq2SeqModule(transformer=CONFIG, vocab_size=VOCAB, max_new_tokens=16, do_sample=True, seed=seed)
+    broadcast = SimpleNamespace(broadcast=lambda obj, src=0: 12345)  # what rank 0 sent
+    module._trainer = SimpleNamespace(world_size=processes, strategy=broadcast)  # type: ignore[assignment]
+    module.on_predict_epoch_start()
+    assert module.decoding_controls.seed == expected
+    assert module.decoding_controls == dataclasses.replace(module.controls, seed=expected)

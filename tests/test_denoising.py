@@ -15,6 +15,7 @@ from torch_handle.data.batching import BatchIndices
 from torch_handle.data.denoising import denoising_source, infill, noise_generator, permute_sentences, span_lengths
 from torch_handle.data.pretrain import DenoisingDataModule, EpochBatchSampler
 from torch_handle.data.tokenizer import MASK_TOKEN, Tokenizer
+from torch_handle.errors import DataError
 from torch_handle.module import Seq2SeqModule
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,6 +87,17 @@ def test_tokenizer_mask_is_added_after_the_last_id() -> None:
     assert masked.encode("a small text") == tokenizer.encode("a small text")  # no id moves
     assert Tokenizer.from_str(masked.to_str()).mask_id == masked.mask_id
     assert masked.backend.id_to_token(masked.mask_id) == MASK_TOKEN
+
+
+def test_a_mask_that_would_take_a_used_id_is_refused() -> None:
+    """ids 0, 1, 3: the library counts 3 and would give <mask> id 3, which is ``x``'s."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models
+
+    backend = Backend(models.WordPiece({"[PAD]": 0, "[UNK]": 1, "x": 3}, unk_token="[UNK]")).to_str()
+    wrapped = json.dumps({"torch_handle_specials": {"pad_id": 0, "bos_id": 0, "eos_id": 1}, "tokenizer": backend})
+    with pytest.raises(DataError, match=r"^the tokenizer's ids have gaps, so <mask> would take id 3 of 'x': add"):
+        Tokenizer.from_str(wrapped).with_mask()
 
 
 def _text(path: Path) -> Path:
@@ -161,3 +173,15 @@ def test_fine_tuning_starts_from_a_pretraining_run(
     tuned = torch.load(tmp_path / "fine" / "checkpoints" / "last.ckpt", weights_only=True)
     assert tuned["hyper_parameters"]["init_from"] is None
     assert Tokenizer.from_str(tuned["SummarizationDataModule"]["tokenizer"]).mask_id is not None
+
+
+def test_prepare_tokens_refuses_the_pretraining_config(tmp_path: Path) -> None:
+    """Its noise needs each block's sentences, which a token folder does not keep: refused before writing."""
+    from torch_handle.data.prepare import main as prepare
+
+    with pytest.raises(SystemExit) as exit_info:
+        prepare(["tokens", "--config", "pretrain", "--out", str(tmp_path / "out")])
+    assert str(exit_info.value.code) == (
+        "error: --config pretrain reads its text files directly: prepare tokens has nothing to write for it"
+    )
+    assert not (tmp_path / "out").exists()

@@ -2,9 +2,11 @@
 in-memory path on any number of ranks, exact mid-epoch resume, refused folders, and training under a memory cap."""
 
 import dataclasses
+import hashlib
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -135,10 +137,31 @@ def _newer(folder: Path) -> None:
     (folder / META).write_text(json.dumps({**meta, "version": 2}))
 
 
+def _meta(folder: Path, **changes: object) -> None:
+    meta = json.loads((folder / META).read_text())
+    (folder / META).write_text(json.dumps({**meta, **changes}))
+
+
+def _forged_offsets(data: bytes, examples: int) -> Callable[[Path], None]:
+    """An attacker's offsets with their size and sha256 recorded, as ``prepare tokens`` would have."""
+
+    def forge(folder: Path) -> None:
+        (folder / "source.offsets").write_bytes(data)
+        files = json.loads((folder / META).read_text())["files"]
+        files["source.offsets"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        _meta(folder, files=files, examples=examples)
+
+    return forge
+
+
 @pytest.mark.parametrize(
     ("damage", "message"),
     [
         (_truncate, "target.tokens has 100 bytes, not the"),
+        (lambda folder: _meta(folder, vocab_size=10**9), "says 1000000000 token ids, its tokenizer has"),
+        (lambda folder: _meta(folder, examples=-1), "is damaged"),
+        (_forged_offsets(np.array([0, 2**62 + 3], "<i8").tobytes(), 1), "source.offsets ends at"),
+        (_forged_offsets(b"\0" * 12, 1), "source.offsets is not a whole number of offsets"),
         (_edit_offsets, "source.offsets fails its sha256"),
         (_foreign, "is not a pre-tokenized folder"),
         (_newer, "format version 2, this torch-handle reads 1"),

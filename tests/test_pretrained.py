@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -270,6 +271,24 @@ def test_an_index_pointing_outside_the_folder_is_refused(outside: str, tmp_path:
         f"{index} lists the shard {outside!r}, which is not a file of {folder}: refused; "
         "pass a folder written by save_pretrained"
     )
+
+
+def test_shards_linked_from_elsewhere_load_as_in_the_hugging_face_cache(tmp_path: Path) -> None:
+    """The hub cache's snapshot folder holds links into ``blobs/``: a shard named in the folder loads wherever its
+    link points, with the weights the plain folder gives."""
+    plain, folder = tmp_path / "plain", tmp_path / "snapshots" / "rev"
+    _save("bart", "safetensors", plain)
+    shutil.copytree(plain, folder)
+    blob = tmp_path / "blobs" / "0123abcd"
+    blob.parent.mkdir()
+    (folder / "model.safetensors").rename(blob)
+    with safe_open(blob, framework="pt") as f:
+        names = list(f.keys())
+    (folder / "model-00001-of-00001.safetensors").symlink_to(blob)
+    index = {"metadata": {}, "weight_map": dict.fromkeys(names, "model-00001-of-00001.safetensors")}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    want, got = load_pretrained(plain)[0].state_dict(), load_pretrained(folder)[0].state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import sentencepiece as spm
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
@@ -16,14 +17,12 @@ from tests.test_pretrained import TARGETS, TEXTS, WORDS, assert_generate_matches
 from torch_handle.ctranslate2 import ExportError
 from torch_handle.data.batching import Collator, Example
 from torch_handle.errors import SetupError
-from torch_handle.model import Transformer, TransformerConfig
+from torch_handle.model import ConfigError, Transformer, TransformerConfig
 from torch_handle.module import Seq2SeqModule
 from torch_handle.parallel.pipeline import PipelineConfig, check_pipeline_parallel
 from torch_handle.parallel.tensor import check_tensor_parallel
 from torch_handle.pretrained import load_pretrained, pretrained_tokenizer
 from torch_handle.pretrained.writer import write_hf
-
-spm = pytest.importorskip("sentencepiece")
 
 # d_kv * num_heads is not d_model (as in t5-v1_1-small and mT5), and few buckets over a short distance put the
 # tokens of these texts in the logarithmic buckets too.
@@ -179,3 +178,11 @@ def test_model_parallelism_refuses_t5_in_one_line(strategy: str) -> None:
         f"{strategy} parallelism does not split transformer.position='relative' (T5's) yet: train this model with "
         "ddp, zero or fsdp"
     )
+
+
+def test_a_bucket_distance_inside_the_exact_buckets_is_refused() -> None:
+    """max_distance 8 with 32 buckets would give negative buckets (an index error on a CPU, a device assert on a
+    GPU); T5's own 32 and 128 pass."""
+    TransformerConfig(position="relative", relative_buckets=32, relative_max_distance=128)
+    with pytest.raises(ConfigError, match=r"relative_max_distance > relative_buckets // 2, got 32 and 8$"):
+        TransformerConfig(position="relative", relative_buckets=32, relative_max_distance=8)

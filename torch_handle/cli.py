@@ -1,6 +1,7 @@
 """torch-handle's command line: ``torch-handle {fit,validate,test,predict} --config NAME`` (``python cli.py`` in
-a checkout), plus ``prepare`` (download a corpus), ``export`` (a checkpoint to one safetensors file), ``average``
-(checkpoints' weights into one checkpoint) and ``serve`` (a model behind HTTP).
+a checkout), plus ``prepare`` (download a corpus, or tokenize a training split to disk), ``export`` (a checkpoint to
+one safetensors file, a CTranslate2 or a Hugging Face folder), ``average`` (checkpoints' weights into one
+checkpoint) and ``serve`` (a model behind HTTP).
 
 Here: the entry point, which runs the plain tools, resolves ``--config`` names and reports user errors in one line;
 the thin LightningCLI (:class:`~torch_handle.lightning_cli.TorchHandleCLI`) reads the LightningModule's and
@@ -62,9 +63,9 @@ def with_config_paths(args: list[str]) -> list[str]:
 DESCRIPTION = (
     "Train, evaluate and use a handwritten Transformer. Subcommands: fit, validate, test, predict (below), and "
     "prepare (download a corpus, or tokenize a config's training split to disk: {prepare} --help), export (a "
-    "checkpoint to one safetensors file or a CTranslate2 model folder: {export} --help), average (checkpoints' "
-    "weights into one checkpoint: {average} --help), serve (a model behind HTTP: {serve} --help). --config takes a "
-    "path or a shipped config's name: {names}."
+    "checkpoint to one safetensors file, a CTranslate2 or a Hugging Face folder: {export} --help), average "
+    "(checkpoints' weights into one checkpoint: {average} --help), serve (a model behind HTTP: {serve} --help). "
+    "--config takes a path or a shipped config's name: {names}."
 )
 
 

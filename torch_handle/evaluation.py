@@ -3,6 +3,8 @@ keeps every rank's collectives in step."""
 
 from __future__ import annotations
 
+import dataclasses
+import secrets
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -53,12 +55,28 @@ class Evaluation(L.LightningModule):
     model: Transformer
     config: TransformerConfig
     controls: DecodingControls
+    _loop_controls: DecodingControls | None = None
     eval_metrics: torch.nn.ModuleDict
     _pipeline: Pipeline | None
     _decoded: set[str]
     _naive_ratio: float | None
     _loss: Callable[..., tuple[Tensor, Tensor, Tensor]]
     _pipelined: Callable[..., tuple[Tensor, Tensor, Tensor]]
+
+    @property
+    def decoding_controls(self) -> DecodingControls:
+        """The controls of the running loop (:meth:`_share_seed`), else the configured ones."""
+        return self._loop_controls or self.controls
+
+    def _share_seed(self) -> None:
+        """Sampling without ``--model.seed`` draws a fresh seed; processes that decode one source together (tensor
+        or context parallelism, lockstep) must draw the same tokens, so rank 0 draws one for the loop and every rank
+        takes it. A source's draws still depend on its own tokens, so data-parallel ranks sample their rows apart."""
+        c = self.controls
+        self._loop_controls = None
+        if c.do_sample and c.seed is None and self.trainer.world_size > 1:
+            seed = self.trainer.strategy.broadcast(secrets.randbits(62), src=0)
+            self._loop_controls = dataclasses.replace(c, seed=seed)
 
     @property
     def tokenizer(self) -> Any:
@@ -152,6 +170,7 @@ class Evaluation(L.LightningModule):
         """Fresh metric states, made under this loop's grad mode: states left by ``trainer.validate`` (inference
         mode) cannot be updated in place by the validation inside ``trainer.fit`` (no_grad)."""
         self._decoded.discard(stage)
+        self._share_seed()
         for metric in self.eval_metrics[stage].values():
             metric.reset()
 
@@ -212,6 +231,10 @@ class Evaluation(L.LightningModule):
     # --- decoding -----------------------------------------------------------------------------------------
 
     @override
+    @override
+    def on_predict_epoch_start(self) -> None:
+        self._share_seed()
+
     def predict_step(self, batch: dict[str, Any], batch_idx: int) -> list[str]:
         return self.decode_batch(batch)
 
@@ -248,7 +271,7 @@ class Evaluation(L.LightningModule):
                 max_new_tokens=self.hparams.max_new_tokens,
                 num_beams=self.hparams.num_beams,
                 length_penalty=self.hparams.length_penalty,
-                controls=self.controls,
+                controls=self.decoding_controls,
                 generate_fn=self._generate,
             )
         self._wait_for_other_ranks()
@@ -275,7 +298,14 @@ class Evaluation(L.LightningModule):
         h = self.hparams
         all_done = self._all_done()
         return generate(
-            self.model, src, h.max_new_tokens, h.num_beams, h.length_penalty, all_done, memory, controls=self.controls
+            self.model,
+            src,
+            h.max_new_tokens,
+            h.num_beams,
+            h.length_penalty,
+            all_done,
+            memory,
+            controls=self.decoding_controls,
         )
 
     def _wait_for_other_ranks(self) -> None:
@@ -290,4 +320,12 @@ class Evaluation(L.LightningModule):
             return all_done(True)
 
         while self._any_rank(False):
-            generate(self.model, dummy, h.max_new_tokens, h.num_beams, h.length_penalty, done, controls=self.controls)
+            generate(
+                self.model,
+                dummy,
+                h.max_new_tokens,
+                h.num_beams,
+                h.length_penalty,
+                done,
+                controls=self.decoding_controls,
+            )

@@ -69,7 +69,8 @@ class Seq2SeqModule(Evaluation, Optimization):
         top_k: Sampling keeps the ``top_k`` best tokens only (0 = off).
         top_p: Sampling keeps the fewest best tokens whose probabilities add up to ``top_p`` (1 = off).
         seed: Makes sampling repeatable: a source gets the same output with the same seed on any number of
-            processes and in any batch. None: each sampling call draws a fresh seed (never from torch's generator).
+            processes and in any batch. None: a fresh seed (never from torch's generator), each sampling call on one
+            process, each loop on several (rank 0 draws it for all, as ranks that split a source must agree).
         generate_every_n_val_epochs: Decode (and compute BLEU/ROUGE) in validation only every n epochs;
             0 never decodes in validation. Test always decodes.
         lead_words: Summarization ``test`` also scores the Lead baseline, the document's first

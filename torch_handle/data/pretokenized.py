@@ -128,15 +128,20 @@ class PretokenizedDataset(ExampleDataset):
         self.folder = Path(folder)
         meta = _read_meta(self.folder)
         self.tokenizer_json = self._checked(TOKENIZER, meta["tokenizer_sha256"]).decode("utf-8")
-        self.vocab_size = int(meta["vocab_size"])
+        # The ids' bound comes from the tokenizer itself (its sha256 is checked), not from a field anyone can edit.
+        self.vocab_size = Tokenizer.from_str(self.tokenizer_json).vocab_size
+        if self.vocab_size != meta["vocab_size"]:
+            self._refuse(f"{META} says {meta['vocab_size']} token ids, its tokenizer has {self.vocab_size}")
         self.offsets: dict[str, np.ndarray] = {}
         for side in SIDES:
             entry = meta["files"][f"{side}.offsets"]
+            if self._size(f"{side}.offsets", entry["bytes"]) % OFFSET.itemsize:  # sized before it is read
+                self._refuse(f"{side}.offsets is not a whole number of offsets")
             offsets = np.frombuffer(self._checked(f"{side}.offsets", entry["sha256"]), OFFSET)
             tokens = self._size(f"{side}.tokens", meta["files"][f"{side}.tokens"]["bytes"])
             if len(offsets) != meta["examples"] + 1 or offsets[0] != 0 or np.any(np.diff(offsets) < 0):
                 self._refuse(f"{side}.offsets does not index {meta['examples']} examples")
-            if offsets[-1] * TOKEN.itemsize != tokens:
+            if int(offsets[-1]) * TOKEN.itemsize != tokens:  # a Python int: no int64 wrap-around
                 self._refuse(f"{side}.offsets ends at {offsets[-1]} tokens, {side}.tokens has {tokens // 4}")
             self.offsets[side] = offsets
         self._descriptors: dict[str, int] = {}
@@ -207,7 +212,8 @@ def _read_meta(folder: Path) -> dict:
     files = meta.get("files")
     names = [f"{side}.{kind}" for side in SIDES for kind in ("tokens", "offsets")]
     if not (
-        isinstance(meta.get("examples"), int)
+        type(meta.get("examples")) is int  # not a bool
+        and meta["examples"] >= 0
         and isinstance(meta.get("vocab_size"), int)
         and isinstance(meta.get("tokenizer_sha256"), str)
         and isinstance(files, dict)

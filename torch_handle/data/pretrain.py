@@ -186,13 +186,19 @@ class DenoisingDataModule(Seq2SeqDataModule):
         origin = ", ".join(paths)
         return TextSplit(documents, documents, lines, origin, origin)
 
+    @override
+    def write_pretokenized(self, out: str | Path) -> int:
+        """Refused: pretraining noises each block anew from its sentences, which a token folder does not keep."""
+        raise DataError("--config pretrain reads its text files directly: prepare tokens has nothing to write for it")
+
     def _documents(self, path: Path) -> list[tuple[int, str]]:
         """``(line, document)`` of every non-blank document in a file or folder."""
         if path.is_dir():
             files = sorted(path.glob("*.txt"))
             if not files:
                 raise DataError(f"{path} holds no .txt files: pass a folder of .txt documents, or files")
-            return [(1, read_text(file).strip()) for file in files if read_text(file).strip()]
+            texts = (read_text(file).strip() for file in files)
+            return [(1, text) for text in texts if text]
         if path.suffix == ".jsonl":
             settings = dict.fromkeys(self.fields, "--data.fields")
             records = read_jsonl(path, self.fields, settings)

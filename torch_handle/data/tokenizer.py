@@ -168,6 +168,11 @@ class Tokenizer:
             return self
         copy = Tokenizer.from_str(self.to_str())
         copy.backend.add_special_tokens([MASK_TOKEN])
+        if self._backend.id_to_token(copy.mask_id) is not None:  # ids with gaps: the count is a used id
+            raise DataError(
+                f"the tokenizer's ids have gaps, so {MASK_TOKEN} would take id {copy.mask_id} of "
+                f"{self._backend.id_to_token(copy.mask_id)!r}: add {MASK_TOKEN} to its tokenizer.json yourself"
+            )
         return copy
 
     @property

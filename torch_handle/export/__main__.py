@@ -16,18 +16,20 @@ from torch_handle.export.write import export, export_ctranslate2
 def main(args: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog=typed_command("export"), description=EXPORT_DOC.splitlines()[0])
     parser.add_argument("checkpoint", help="a .ckpt file, a DeepSpeed checkpoint folder or an FSDP sharded folder")
-    parser.add_argument("output", help="the safetensors file to write, or the CTranslate2 model folder to create")
+    parser.add_argument(
+        "output", help="the safetensors file to write, or the CTranslate2 or Hugging Face folder to create"
+    )
     parser.add_argument(
         "--format",
         choices=("safetensors", "ctranslate2", "hf"),
         default="safetensors",
         help="safetensors: one file for torch_handle.load; ctranslate2: a model folder for ctranslate2.Translator "
         "(needs pip install 'torch-handle[bench]'; the checkpoint may also be a .safetensors export); hf: a Hugging "
-        "Face folder for transformers' from_pretrained (models imported from BART, mBART, Marian or PEGASUS)",
+        "Face folder for transformers' from_pretrained (models of the BART, mBART, Marian, PEGASUS or T5 families)",
     )
     options = parser.parse_args(args)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from torch_handle.pretrained.writer import export_hf  # it builds on this module
+    from torch_handle.pretrained.writer import export_hf  # it imports the export package
 
     write = {"ctranslate2": export_ctranslate2, "hf": export_hf}.get(options.format, export)
     try:

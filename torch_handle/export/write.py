@@ -26,6 +26,7 @@ from torch_handle.checkpoints import (
     is_deepspeed_checkpoint,
     with_tied_weights,
 )
+from torch_handle.commands import typed_command
 from torch_handle.ctranslate2 import ExportError, check_free, unsupported, vocabulary, write_model
 from torch_handle.export.exported import (
     FORMAT,
@@ -135,7 +136,7 @@ def read_model(checkpoint: str | Path) -> tuple[dict[str, Tensor], TransformerCo
     problems = mismatches(shell, {name: tuple(weight.shape) for name, weight in weights.items()})
     if problems:  # here, not at load time
         raise CheckpointError(
-            f"{path} does not match its model config ({problems}): pass a checkpoint cli.py fit wrote"
+            f"{path} does not match its model config ({problems}): pass a checkpoint {typed_command('fit')} wrote"
         )
     return weights, config, tokenizer, _decoding(state, config)
 

@@ -177,10 +177,13 @@ class TransformerConfig:
             raise ConfigError(f"attention_head_dim must be >= 1, got {self.attention_head_dim}")
         if self.position == "rope" and self.head_dim % 2:
             raise ConfigError(f"position='rope' needs an even head dimension, got {self.head_dim}")
-        if self.position == "relative" and (self.relative_buckets < 4 or self.relative_max_distance < 2):
+        # The first buckets//2 distances are exact (the decoder's); only farther ones share log-spaced buckets.
+        if self.position == "relative" and (
+            self.relative_buckets < 4 or self.relative_max_distance <= self.relative_buckets // 2
+        ):
             raise ConfigError(
-                f"position='relative' needs relative_buckets >= 4 and relative_max_distance >= 2, got "
-                f"{self.relative_buckets} and {self.relative_max_distance}"
+                f"position='relative' needs relative_buckets >= 4 and relative_max_distance > relative_buckets // 2, "
+                f"got {self.relative_buckets} and {self.relative_max_distance}"
             )
         if self.position == "relative" and self.encoder_attention == "local":
             raise ConfigError(

@@ -284,7 +284,7 @@ class Transformer(nn.Module):
         With the source's ``memory_padding`` the cache is static: every step attends over the whole capacity (the
         positions not yet written masked) and reads its position from a tensor, with no host synchronisation (the
         one for the padding happens here); a CUDA graph can then capture a step and replay it, and ``torch.compile``
-        compile it whole (:class:`torch_handle.model.generation.StaticDecoder`), attending over the positions
+        compile it whole (:class:`torch_handle.model.steps.StaticDecoder`), attending over the positions
         written only (:meth:`DecoderCache.attend_written`).
         """
         if memory_padding is None:
