@@ -275,17 +275,19 @@ def test_a_damaged_folder_is_named_damaged_in_one_line(bases: _Bases, damage: st
 # --- an export's config cannot make us allocate ------------------------------------------------------------
 
 
+@pytest.mark.parametrize("claim", [{"d_model": 65536}, {"num_encoder_layers": 10**9}], ids=["wide", "deep"])
 def test_an_export_claiming_a_huge_model_is_refused_before_building_it(
-    tiny_demo_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    claim: dict[str, int], tiny_demo_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A forged ``__metadata__`` config (d_model 65536: tens of GB) over the tiny weights is checked against the
-    header's shapes on the meta device; a Transformer of real memory is never built."""
+    """A forged ``__metadata__`` config over the tiny weights (d_model 65536: tens of GB; a billion layers: hours
+    on the meta device) is checked against the header's shapes and count; a Transformer of real memory is never
+    built, and a deep one not even on the meta device."""
     exported = export.export(tiny_demo_run / "checkpoints" / "last.ckpt", tmp_path / "model.safetensors")
     with safe_open(exported, framework="pt") as f:
         metadata, weights = f.metadata(), {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
     config = json.loads(metadata["transformer"])
     forged = tmp_path / "forged.safetensors"
-    save_file(weights, forged, metadata={**metadata, "transformer": json.dumps({**config, "d_model": 65536})})
+    save_file(weights, forged, metadata={**metadata, "transformer": json.dumps({**config, **claim})})
 
     real = reading.Transformer
 

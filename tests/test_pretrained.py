@@ -223,14 +223,15 @@ def test_wrong_shape_names_the_tensor(tmp_path: Path) -> None:
         load_pretrained(tmp_path)
 
 
+@pytest.mark.parametrize("claim", [{"d_model": 65536}, {"encoder_layers": 10**9}], ids=["wide", "deep"])
 def test_a_config_claiming_a_huge_model_is_refused_before_building_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    claim: dict[str, int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A forged ``d_model`` (hundreds of GB of parameters) over tiny weights is counted on the meta device and
-    refused; no Transformer of real memory is built."""
+    """A forged ``d_model`` (hundreds of GB of parameters) or layer count (hours to build even on the meta device)
+    over tiny weights is refused before any Transformer of real memory is built."""
     _save("bart", "safetensors", tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**config, "d_model": 65536}))
+    (tmp_path / "config.json").write_text(json.dumps({**config, **claim}))
 
     def never(config: TransformerConfig) -> Transformer:
         raise AssertionError(f"a Transformer of d_model {config.d_model} was built")

@@ -21,6 +21,7 @@ from torch_handle.export.exported import (
     is_exported,
     load_exported,
     meta_shell,
+    too_many_layers,
 )
 from torch_handle.export.write import (
     MODEL_PREFIX,
@@ -45,6 +46,7 @@ __all__ = [
     "load_exported",
     "merged_checkpoint",
     "meta_shell",
+    "too_many_layers",
     "read_checkpoint",
     "read_model",
 ]

@@ -115,10 +115,17 @@ def exported_metadata(path: str | Path) -> tuple[TransformerConfig, Tokenizer]:
         tokenizer = Tokenizer.from_str(metadata["tokenizer"])
     except Exception as err:  # KeyError, or whatever the tokenizers library raises on bad JSON
         raise CheckpointError(f"{path} holds no valid tokenizer ({_one_line(err)}): {redo}") from err
-    problems = mismatches(meta_shell(config), shapes)
+    problems = too_many_layers(config, len(shapes)) or mismatches(meta_shell(config), shapes)
     if problems:
         raise CheckpointError(f"{path} does not match its model config ({problems}): {redo}")
     return config, tokenizer
+
+
+def too_many_layers(config: TransformerConfig, tensors: int) -> str:
+    """A config claiming more layers than a file has tensors (each layer has some): refused before
+    :func:`meta_shell` spends time on every claimed layer ("" if it does not)."""
+    layers = config.num_encoder_layers + config.num_decoder_layers
+    return f"its config claims {layers} layers, more than its {tensors} tensors hold" if layers > tensors else ""
 
 
 def meta_shell(config: TransformerConfig) -> Transformer:

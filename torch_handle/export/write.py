@@ -36,6 +36,7 @@ from torch_handle.export.exported import (
     is_exported,
     meta_shell,
     mismatches,
+    too_many_layers,
 )
 from torch_handle.model import Transformer, TransformerConfig
 from torch_handle.unpickling import unpickling_only_data
@@ -131,9 +132,11 @@ def read_model(checkpoint: str | Path) -> tuple[dict[str, Tensor], TransformerCo
         for k, v in state["state_dict"].items()
         if k.startswith(MODEL_PREFIX)
     }
-    shell = meta_shell(config)
-    weights = {k: v.clone() for k, v in with_tied_weights(weights, shell).items()}  # DeepSpeed keeps one name
-    problems = mismatches(shell, {name: tuple(weight.shape) for name, weight in weights.items()})
+    problems = too_many_layers(config, len(weights))
+    if not problems:
+        shell = meta_shell(config)
+        weights = {k: v.clone() for k, v in with_tied_weights(weights, shell).items()}  # DeepSpeed keeps one name
+        problems = mismatches(shell, {name: tuple(weight.shape) for name, weight in weights.items()})
     if problems:  # here, not at load time
         raise CheckpointError(
             f"{path} does not match its model config ({problems}): pass a checkpoint {typed_command('fit')} wrote"
