@@ -128,14 +128,14 @@ def read_model(checkpoint: str | Path) -> tuple[dict[str, Tensor], TransformerCo
     config, tokenizer = _config_and_tokenizer(path, state)
     config = dataclasses.replace(config, attention_backend="auto")  # the loading machine picks its kernel
     weights = {
-        k.removeprefix(MODEL_PREFIX): v.detach().float().contiguous().clone()  # clone: tied weights share storage
+        k.removeprefix(MODEL_PREFIX): v.detach().float().contiguous()  # cloned below, once tied names are filled
         for k, v in state["state_dict"].items()
         if k.startswith(MODEL_PREFIX)
     }
     problems = too_many_layers(config, len(weights))
     if not problems:
         shell = meta_shell(config)
-        weights = {k: v.clone() for k, v in with_tied_weights(weights, shell).items()}  # DeepSpeed keeps one name
+        weights = {k: v.clone() for k, v in with_tied_weights(weights, shell).items()}  # each its own storage
         problems = mismatches(shell, {name: tuple(weight.shape) for name, weight in weights.items()})
     if problems:  # here, not at load time
         raise CheckpointError(
