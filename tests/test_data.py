@@ -139,6 +139,14 @@ def test_tokenizer_ids_with_gaps_or_repeats_load(build: Callable[[], str], tmp_p
     assert read_tokenizer(tmp_path, Specials(0, 0, 1)).backend.encode("x a b").ids == expected
 
 
+def test_a_tokenizer_with_gaps_sizes_the_embedding_by_its_largest_id(tmp_path: Path) -> None:
+    """Ids 0, 1 and 3: three tokens, but an embedding of three rows has no row 3."""
+    (tmp_path / "tokenizer.json").write_text(_wordpiece_with_a_gap(), encoding="utf-8")
+    tokenizer = read_tokenizer(tmp_path, Specials(0, 0, 1))
+    assert tokenizer.backend.encode("x").ids == [3]
+    assert tokenizer.vocab_size == 4
+
+
 def test_pretrained_tokenizer_with_a_huge_id_is_one_line(small_tokenizer: Tokenizer, tmp_path: Path) -> None:
     """A Hugging Face folder's tokenizer.json is id-checked before the Rust library sizes a table by its ids."""
     data = json.loads(small_tokenizer.to_str())

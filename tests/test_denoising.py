@@ -177,10 +177,10 @@ def test_fine_tuning_starts_from_a_pretraining_run(
 
 def test_prepare_tokens_refuses_the_pretraining_config(tmp_path: Path) -> None:
     """Its noise needs each block's sentences, which a token folder does not keep: refused before writing."""
-    from torch_handle.data.prepare import main as prepare
+    from torch_handle.cli import prepare_tokens
 
     with pytest.raises(SystemExit) as exit_info:
-        prepare(["tokens", "--config", "pretrain", "--out", str(tmp_path / "out")])
+        prepare_tokens(["--config", "pretrain", "--out", str(tmp_path / "out")])
     assert str(exit_info.value.code) == (
         "error: --config pretrain reads its text files directly: prepare tokens has nothing to write for it"
     )

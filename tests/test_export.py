@@ -81,6 +81,34 @@ def test_an_export_of_a_model_trained_with_xformers_loads_on_a_cpu(tmp_path: Pat
     model(src, torch.tensor([[TINY.bos_id]]))  # runs here, on this machine's kernel
 
 
+@pytest.mark.parametrize("kind", ["checkpoint", "export"])
+def test_init_from_reads_the_weights_once(kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--model.init_from``: the tokenizer (read by the CLI) and the architecture come from the checkpoint's fields,
+    every read checked as a load; the weights are read once, into the model."""
+    from torch_handle.export import write
+    from torch_handle.module import Seq2SeqModule
+    from torch_handle.pretrained import trained
+
+    path = _python_checkpoint(tmp_path)
+    state = torch.load(path)["state_dict"]
+    expected = {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}
+    if kind == "export":
+        path = export(path, tmp_path / "model.safetensors")
+    reads: list[Path] = []
+
+    def counted(read: Callable[[Path], object]) -> Callable[[Path], object]:
+        return lambda p: reads.append(Path(p)) or read(p)
+
+    monkeypatch.setattr(write, "_lightning_state", counted(write._lightning_state))
+    monkeypatch.setattr(trained, "exported_weights", counted(trained.exported_weights))
+    tokenizer = Tokenizer.from_file(trained.init_tokenizer_path(str(path)))
+    model = Seq2SeqModule(vocab_size=tokenizer.vocab_size, max_new_tokens=8, init_from=str(path)).model
+    assert reads == [path]
+    assert model.state_dict().keys() == expected.keys()
+    for name, weight in model.state_dict().items():
+        torch.testing.assert_close(weight, expected[name], rtol=0, atol=0, msg=name)
+
+
 # --- bad exported files: one line each, from the loaders and from cli.py predict --------------------------
 
 

@@ -60,39 +60,24 @@ def applied(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     monkeypatch.setattr(parallelize_module, "apply_context_parallel", record("context"))
     monkeypatch.setattr(parallelize_module, "apply_fully_shard_stages", record("fsdp2 stages"))
     monkeypatch.setattr(parallelize_module, "apply_fully_shard", record("fsdp2"))
-    monkeypatch.setattr(parallelize_module, "set_zero3_units", record("zero3"))
     monkeypatch.setattr(parallelize_module, "Pipeline", lambda stages, mesh, config: ("pipeline of", stages))
     monkeypatch.setattr(nn.Module, "compile", lambda module, *args, **kwargs: steps.append(("compile",)))
     return steps
 
 
-class _Recorded(Transformer):
-    """A Transformer whose activation checkpointing, once built, is recorded in ``steps`` when set."""
-
-    steps: list[Any] | None = None
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name == "activation_checkpointing" and self.steps is not None:
-            self.steps.append(("checkpointing", value))
-        super().__setattr__(name, value)
-
-
 def test_the_techniques_apply_in_one_order(applied: list[Any]) -> None:
-    model = _Recorded(tiny_config())  # one encoder and one decoder layer
-    model.steps = applied
+    model = Transformer(tiny_config())  # one encoder and one decoder layer
     mesh = _Mesh(**{DATA_PARALLEL: 2, PIPELINE_PARALLEL: 2, TENSOR_PARALLEL: 2})
     pipeline = PipelineConfig()
-    plan = ParallelPlan(mesh, pipeline, _Mesh(**{CONTEXT_PARALLEL: 2}), True, compile=True, zero3=True)
+    plan = ParallelPlan(mesh, pipeline, _Mesh(**{CONTEXT_PARALLEL: 2}), compile=True)
     result = parallelize(model, plan)  # type: ignore[arg-type]  # fake meshes: shapes only
     assert applied == [
         ("pipeline", (PIPELINE_PARALLEL,), pipeline),
         ("tensor", (TENSOR_PARALLEL,), ("vocabulary", False)),  # a stage's vocabulary stays whole
         ("context", f"group of {CONTEXT_PARALLEL}"),
-        ("checkpointing", True),
         ("compile",),
         ("compile",),
         ("fsdp2 stages", (DATA_PARALLEL,)),
-        ("zero3",),
     ]
     assert result == ("pipeline of", ["stage"])
 

@@ -4,6 +4,8 @@ in-memory path on any number of ranks, exact mid-epoch resume, refused folders, 
 import dataclasses
 import hashlib
 import json
+import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -15,8 +17,8 @@ import pytest
 import torch
 from helpers import ROOT, RUN_TIMEOUT, env, fit_args
 
-from torch_handle.data import DataError, Tokenizer, TranslationDataModule
-from torch_handle.data.prepare import main as prepare
+from torch_handle.cli import prepare_tokens
+from torch_handle.data import DataError, SummarizationDataModule, Tokenizer, TranslationDataModule
 from torch_handle.data.pretokenized import META, OFFSET, SIDES, TOKEN, PretokenizedDataset, describe
 from torch_handle.data.tokenizer import Specials
 
@@ -106,6 +108,37 @@ def test_resumes_mid_epoch_exactly(corpus: Path) -> None:
     loader.load_state_dict(state)
     loader.batch_sampler.set_epoch(2)  # Lightning sets the epoch again when it restarts the loop
     _assert_same(full[5:], [{k: b[k] for k in ("src", "tgt", "step_tokens", "repeat")} for b in loader])
+
+
+def test_reads_only_the_ids_a_row_keeps(corpus: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long example costs what the collator keeps of it (and one id more), not its whole length."""
+    dm = _module(corpus, pretokenized=str(corpus / "tokens"))
+    sizes: list[int] = []
+    pread = os.pread
+    monkeypatch.setattr(os, "pread", lambda fd, size, offset: sizes.append(size) or pread(fd, size, offset))
+    _batches(dm, 0, replicas=1, rank=0)
+    sources, targets = dm.dataset("train").token_counts()
+    assert max(sources) > 24 and max(targets) > 23  # the limits cut some examples
+    assert len(sizes) == 2 * LINES and max(sizes) == 24 * TOKEN.itemsize
+
+
+def test_the_truncation_policy_applies_to_pretokenized_examples(tmp_path: Path) -> None:
+    """``--data.truncation error`` stops at the first long example, ``warn`` counts them, as for the text files."""
+    train = tmp_path / "train.jsonl"
+    rows = [{"document": "the cat sat " * n, "summary": "a cat"} for n in (2, 30, 3, 40)]
+    train.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    options = {"train_file": str(train), "bpe_vocab_size": 300, "max_source_tokens": 20}
+    SummarizationDataModule(**{**options, "max_source_tokens": 512}).write_pretokenized(tmp_path / "tokens")
+    folder = str(tmp_path / "tokens")
+    with pytest.raises(DataError) as text:
+        SummarizationDataModule(**options, truncation="error").setup("fit")
+    with pytest.raises(DataError) as tokens:
+        SummarizationDataModule(**options, truncation="error", pretokenized=folder).setup("fit")
+    problem = str(text.value).removeprefix(f"{train}:2: ")
+    assert problem.startswith("source has ") and problem.endswith("or set --data.truncation=warn")
+    assert str(tokens.value) == f"{folder} example 1: {problem}"
+    with pytest.warns(UserWarning, match=rf"^{re.escape(folder)}: truncated 2 of 4 sources to 19 tokens; raise"):
+        SummarizationDataModule(**options, pretokenized=folder).setup("fit")
 
 
 def _copy(corpus: Path, tmp_path: Path) -> Path:
@@ -201,22 +234,32 @@ def test_a_folder_of_another_tokenizer_is_refused(corpus: Path, tmp_path: Path) 
             dm.load_state_dict(load)
 
 
-def test_prepare_tokens_writes_the_configs_training_split(corpus: Path, tmp_path: Path) -> None:
-    """``prepare tokens`` reads the config's data section and its overrides; bad input is one line."""
+def test_prepare_tokens_writes_what_fit_would_read(
+    corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``prepare tokens`` parses fit's options with fit's parser: the config's data section, any override fit takes
+    (here the ``--data.NAME`` shorthand for another tokenizer), and bad input as one line."""
     config = tmp_path / "data.yaml"
     config.write_text(
         "data:\n  class_path: torch_handle.data.TranslationDataModule\n  init_args:\n"
         f"    data_dir: {corpus}\n    bpe_vocab_size: 1000\n    pretokenized: elsewhere\n"
     )
-    prepare(["tokens", "--config", str(config), "--out", str(tmp_path / "out"), "--data.init_args.max_tokens", "600"])
+    other = tmp_path / "other.json"
+    Tokenizer.train(["ein Hund läuft", "a dog runs"] * 50, 300).save(other)
+    prepare_tokens(["--config", str(config), "--out", str(tmp_path / "out"), "--data.tokenizer_path", str(other)])
+    _module(corpus, tokenizer_path=str(other)).write_pretokenized(tmp_path / "reference")
     for name in ("source.tokens", "target.offsets", "tokenizer.json"):
-        assert (tmp_path / "out" / name).read_bytes() == (corpus / "tokens" / name).read_bytes()
-    with pytest.raises(SystemExit, match=r"^error: .*unexpected keyword argument 'max_tokenz'$"):
-        prepare(["tokens", "--config", str(config), "--out", str(tmp_path / "o2"), "--data.init_args.max_tokenz=1"])
+        assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "reference" / name).read_bytes()
+        assert (tmp_path / "out" / name).read_bytes() != (corpus / "tokens" / name).read_bytes()
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        prepare_tokens(["--config", str(config), "--out", str(tmp_path / "o2"), "--data.init_args.max_tokenz=1"])
+    error = capsys.readouterr().err
+    assert error.startswith("error: ") and error.count("\n") == 1 and "Option 'max_tokenz' is not accepted" in error
     assert not (tmp_path / "o2").exists()
     before = {f.name: f.read_bytes() for f in (tmp_path / "out").iterdir()}
     with pytest.raises(SystemExit) as exit_info:  # again into the written folder: refused, the folder untouched
-        prepare(["tokens", "--config", str(config), "--out", str(tmp_path / "out")])
+        prepare_tokens(["--config", str(config), "--out", str(tmp_path / "out")])
     out = tmp_path / "out"
     assert (
         str(exit_info.value.code)

@@ -1,13 +1,16 @@
-"""Files written whole or not at all: readers never see half a file, a failed write keeps the old one."""
+"""Files written whole or not at all: readers never see half a file, a failed write keeps the old one; and the
+temporary folder a process writes files for its own later reading in, removed when it exits."""
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import logging
 import os
 import re
 import secrets
 import shutil
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -108,6 +111,14 @@ def _locked_temp_folder(path: Path) -> tuple[Path, int]:
     lock = os.open(folder, os.O_RDONLY)
     fcntl.flock(lock, fcntl.LOCK_EX)
     return folder, lock
+
+
+def temporary_folder() -> Path:
+    """A new folder under ``$TMPDIR``, removed when the process exits: for files the run reads by path (a tokenizer
+    taken from a checkpoint, merged weights)."""
+    folder = Path(tempfile.mkdtemp(prefix="torch-handle-"))
+    atexit.register(shutil.rmtree, folder, True)
+    return folder
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:

@@ -165,11 +165,13 @@ def folder_kind(path: Path) -> str:
 
 def checkpoint_fields(path: Path) -> dict[str, Any]:
     """Lightning's fields of a checked checkpoint (``hyper_parameters``, ``epoch``, ...): of a file, the file; of a
-    DeepSpeed folder, its client state; of a distributed checkpoint, the ``meta.pt`` Lightning writes beside it."""
+    DeepSpeed folder, its client state; of a distributed checkpoint, the ``meta.pt`` Lightning writes beside it.
+    Tensors are mapped, not read: reading the fields leaves the weights on disk."""
     if path.is_file():
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     if is_deepspeed_checkpoint(path):
-        return torch.load(next((path / deepspeed_tag(path)).glob("*model_states.pt")), "cpu", weights_only=True)
+        states = next((path / deepspeed_tag(path)).glob("*model_states.pt"))
+        return torch.load(states, map_location="cpu", mmap=True, weights_only=True)
     meta = path / "meta.pt"
     return torch.load(meta, map_location="cpu", weights_only=True) if meta.is_file() else {}
 

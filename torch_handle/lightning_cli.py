@@ -4,11 +4,8 @@ checkpoint, a folder of shards merged for another strategy, or an exported model
 
 from __future__ import annotations
 
-import atexit
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +20,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelP
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
-from torch_handle.atomic import check_run_folder_free, lock_run_folder
+from torch_handle.atomic import check_run_folder_free, lock_run_folder, temporary_folder
 from torch_handle.callbacks.checkpointing import Checkpoint
 from torch_handle.callbacks.prediction_writer import STDOUT, PredictionWriter
 from torch_handle.callbacks.throughput import Throughput
@@ -308,13 +305,6 @@ class TorchHandleCLI(LightningCLI):
         rank_zero_info(f"{folder}: {strategy} reads the full weights merged from its shards")
 
 
-def temporary_folder() -> Path:
-    """A new folder under ``$TMPDIR``, removed when the process exits."""
-    folder = Path(tempfile.mkdtemp(prefix="torch-handle-"))
-    atexit.register(shutil.rmtree, folder, True)
-    return folder
-
-
 def configure_from_exported(config: Any, path: str | Path) -> None:
     """Points a parsed ``cli.py test/predict`` config at an exported model: its model config, and its
     tokenizer (written to a temporary file, as the data module reads tokenizers from files).
@@ -328,8 +318,6 @@ def configure_from_exported(config: Any, path: str | Path) -> None:
         # The CLI links the vocabulary sizes from the tokenizer; the attention backend is this machine's choice.
         if name not in ("src_vocab_size", "tgt_vocab_size", "attention_backend"):
             config.model.transformer[name] = value
-    fd, tokenizer_file = tempfile.mkstemp(prefix="torch-handle-tokenizer-", suffix=".json")
-    os.close(fd)
-    atexit.register(os.unlink, tokenizer_file)
+    tokenizer_file = temporary_folder() / TOKENIZER_FILE
     tokenizer.save(tokenizer_file)
-    config.data.init_args.tokenizer_path = tokenizer_file
+    config.data.init_args.tokenizer_path = str(tokenizer_file)

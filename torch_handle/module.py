@@ -241,8 +241,7 @@ class Seq2SeqModule(Evaluation, Optimization):
         """Applies the run's parallelisation plan once the processes are connected
         (:func:`~torch_handle.parallel.parallelize`): on the mesh of
         :class:`~torch_handle.strategies.ModelParallelStrategy`, or context parallelism on a
-        ``(data_parallel, context_parallel)`` mesh laid out here; compile and activation checkpointing under any
-        strategy."""
+        ``(data_parallel, context_parallel)`` mesh laid out here; compile under any strategy."""
         if self._pipeline is not None and self.trainer.state.fn != TrainerFn.FITTING:
             raise SetupError(
                 "this module was split into pipeline stages by fit: test or predict its checkpoint with a new module "
@@ -266,7 +265,6 @@ class Seq2SeqModule(Evaluation, Optimization):
             mesh=mesh,
             pipeline=getattr(self.trainer.strategy, "pipeline", None) if mesh is not None else None,
             context=context,
-            activation_checkpointing=self.config.activation_checkpointing,
             compile=self.use_compile,
         )
 

@@ -2,11 +2,13 @@
 
 import dataclasses
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
@@ -180,7 +182,12 @@ class Seq2SeqDataModule(LightningDataModule, ABC):
         """
         if split not in self._datasets and split == "train" and self.pretokenized is not None:
             self._check_pretokenized("the run")
-            self._datasets[split] = self._pretokenized_train()
+            dataset, c, folder = self._pretokenized_train(), self.collator, self.pretokenized
+            limits = (c.max_source_tokens - 1, c.max_target_tokens - 2)
+            for side, counts, limit in zip(("source", "target"), dataset.token_counts(), limits, strict=True):
+                self._check_length(counts, side, folder, None, limit)
+            # One id more than a row keeps, so that the collator still sees which sources it cut.
+            self._datasets[split] = dataset.read_at_most(c.max_source_tokens, c.max_target_tokens - 1)
         if split not in self._datasets:
             text = self._text(split)
             self._datasets[split] = None if text is None else self._encode(text, split)
@@ -330,7 +337,7 @@ class Seq2SeqDataModule(LightningDataModule, ABC):
         src_ids = self.tokenizer.encode_batch(text.sources)
         limit = self.collator.max_source_tokens - 1
         if split not in self.whole_source_splits:
-            self._check_length(text, src_ids, "source", text.source_origin, limit)
+            self._check_length(list(map(len, src_ids)), "source", text.source_origin, text.lines, limit)
         elif long := sum(len(ids) > limit for ids in src_ids):
             loss = f"; the test loss reads their first {limit}" if split == "test" else ""
             rank_zero_info(
@@ -340,7 +347,8 @@ class Seq2SeqDataModule(LightningDataModule, ABC):
         if text.targets is None:
             return ExampleDataset([Example(ids, s) for ids, s in zip(src_ids, text.sources, strict=True)])
         tgt_ids = self.tokenizer.encode_batch(text.targets)
-        self._check_length(text, tgt_ids, "target", text.target_origin, self.collator.max_target_tokens - 2)
+        limit = self.collator.max_target_tokens - 2
+        self._check_length(list(map(len, tgt_ids)), "target", text.target_origin, text.lines, limit)
         references = text.references or [()] * len(text.targets)
         return ExampleDataset(
             [
@@ -349,19 +357,30 @@ class Seq2SeqDataModule(LightningDataModule, ABC):
             ]
         )
 
-    def _check_length(self, text: TextSplit, ids: list[list[int]], side: str, origin: str, limit: int) -> None:
-        """Warns once (counting) or raises for the first row longer than ``limit`` tokens."""
-        long = [i for i, row in enumerate(ids) if len(row) > limit]
-        if not long:
+    def _check_length(
+        self, counts: Sequence[int] | np.ndarray, side: str, origin: str, lines: Sequence[int] | None, limit: int
+    ) -> None:
+        """Warns once (counting) or raises for the first row longer than ``limit`` tokens, the ``truncation`` policy.
+
+        Args:
+            counts: Each row's token count.
+            side: ``source`` or ``target``.
+            origin: What the rows were read from: a file, or a pre-tokenized folder.
+            lines: Each row's line in ``origin``; None for a pre-tokenized folder, whose rows are named by index.
+            limit: Tokens a row keeps.
+        """
+        long = np.flatnonzero(np.asarray(counts) > limit)
+        if not len(long):
             return
         option = f"--data.max_{side}_tokens"
         if self.truncation == "error":
-            first = long[0]
+            first = int(long[0])
+            where = f"{origin}:{lines[first]}" if lines is not None else f"{origin} example {first}"
             raise DataError(
-                f"{origin}:{text.lines[first]}: {side} has {len(ids[first])} tokens, over the {limit} that "
+                f"{where}: {side} has {counts[first]} tokens, over the {limit} that "
                 f"{option} allows; raise {option} or set --data.truncation=warn"
             )
         rank_zero_warn(
-            f"{origin}: truncated {len(long)} of {len(ids)} {side}s to {limit} tokens; "
+            f"{origin}: truncated {len(long)} of {len(counts)} {side}s to {limit} tokens; "
             f"raise {option} to keep them whole"
         )

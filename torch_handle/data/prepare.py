@@ -10,7 +10,7 @@
                                              ->  the config's training split, tokenized, for
                                                  --data.init_args.pretokenized data/multi30k-tokens
 
-(also python -m torch_handle.data.prepare), with the corpus's licences. Each file is checked against the
+(corpora also through python -m torch_handle.data.prepare), with the corpus's licences. Each file is checked against the
 sha256 pinned in torch_handle/data/corpora.py before it is written, and is written whole or not at all; a later
 run re-verifies what it finds and downloads only what is missing or wrong, so an interrupted run is simply run
 again. Offline, copy the repository's files into a folder (a git clone has them) and pass --mirror FOLDER.
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import http.client
-import importlib
 import logging
 import sys
 import urllib.error
@@ -28,12 +27,10 @@ import urllib.request
 import zlib
 from pathlib import Path
 
-import yaml
-
 from torch_handle.atomic import atomic_path
-from torch_handle.commands import config_path, typed_command
+from torch_handle.commands import typed_command
 from torch_handle.data.corpora import CORPORA, Corpus, CorpusFile, TooLarge, digest
-from torch_handle.errors import DataError, SetupError
+from torch_handle.errors import DataError
 
 log = logging.getLogger(__name__)
 TIMEOUT = 60  # seconds without a byte before a download is given up
@@ -123,72 +120,10 @@ def _convert(file: CorpusFile, data: bytes, url: str, folder: Path) -> bytes:
     return content
 
 
-def tokens(argv: list[str]) -> None:
-    """``torch-handle prepare tokens --config CONFIG [--config ...] [--data.init_args.NAME VALUE ...] --out DIR``."""
-    parser = argparse.ArgumentParser(
-        prog=f"{typed_command('prepare')} tokens",
-        description="Tokenizes a config's training split once into a folder that fit reads with "
-        "--data.init_args.pretokenized DIR. Later options set the data's, as in fit: --data.init_args.NAME VALUE.",
-    )
-    parser.add_argument(
-        "--config", action="append", required=True, help="a config's path or shipped name; several stack"
-    )
-    parser.add_argument("--out", required=True, help="the folder to write (must not exist, or be empty)")
-    options, rest = parser.parse_known_args(argv)
-    from torch_handle.data.base import Seq2SeqDataModule
-    from torch_handle.data.pretokenized import refuse_existing
-
-    data: dict = {}
-    try:
-        refuse_existing(options.out)  # before any tokenizing
-        for config in options.config:
-            section = (yaml.safe_load(Path(config_path(config)).read_text(encoding="utf-8")) or {}).get("data") or {}
-            if section.get("class_path", data.get("class_path")) != data.get("class_path"):
-                data = {}
-            data = {**data, **section, "init_args": {**data.get("init_args", {}), **section.get("init_args", {})}}
-        data["init_args"].update(_overrides(rest))
-        data["init_args"].pop("pretokenized", None)
-        module, _, name = data.get("class_path", "").rpartition(".")
-        cls = getattr(importlib.import_module(module), name) if module else None
-        if not (isinstance(cls, type) and issubclass(cls, Seq2SeqDataModule)):
-            raise DataError(f"--config {options.config[-1]}: data.class_path names no torch-handle DataModule")
-        written = cls(**data["init_args"]).write_pretokenized(options.out)
-    except (DataError, SetupError, yaml.YAMLError, ImportError, AttributeError) as err:
-        raise SystemExit(f"error: {str(err).splitlines()[0]}") from None
-    except TypeError as err:  # an init_args name the DataModule does not take
-        raise SystemExit(f"error: --config {options.config[-1]}: {err}") from None
-    log.info(
-        "%s: %d training examples tokenized; fit with --data.init_args.pretokenized %s",
-        options.out,
-        written,
-        options.out,
-    )
-
-
-def _overrides(args: list[str]) -> dict[str, object]:
-    """``--data.init_args.NAME VALUE`` (or ``=VALUE``) pairs, their values read as YAML as the CLI reads them."""
-    values: dict[str, object] = {}
-    prefix = "--data.init_args."
-    while args:
-        arg, args = args[0], args[1:]
-        if not arg.startswith(prefix):
-            raise DataError(f"{arg}: prepare tokens takes --config, --out and --data.init_args.NAME VALUE")
-        name, sep, value = arg.removeprefix(prefix).partition("=")
-        if not sep:
-            if not args:
-                raise DataError(f"{arg} needs a value")
-            value, args = args[0], args[1:]
-        values[name] = yaml.safe_load(value)
-    return values
-
-
 def main(argv: list[str] | None = None) -> None:
-    """``torch-handle prepare CORPUS [--out DIR] [--mirror URL] [--splits ...]``, or ``prepare tokens ...``."""
+    """``torch-handle prepare CORPUS [--out DIR] [--mirror URL] [--splits ...]`` (``prepare tokens`` is
+    :func:`torch_handle.cli.prepare_tokens`: it reads ``fit``'s options)."""
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["tokens"]:
-        logging.basicConfig(level=logging.INFO, format="%(message)s")
-        tokens(argv[1:])
-        return
     parser = argparse.ArgumentParser(
         prog=typed_command("prepare"), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

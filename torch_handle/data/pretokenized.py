@@ -11,7 +11,8 @@ The folder ``torch-handle prepare tokens`` writes holds plain arrays and JSON, n
 Only the offsets are read into memory (16 bytes an example): they give every example's length up front, which
 length bucketing needs. Ids are read per example with ``os.pread``, not ``numpy.memmap``: a mapping counts its
 whole file against the address space (``ulimit -v``) and the pages it touches against resident memory, while a
-read leaves both flat and the page cache to the kernel.
+read leaves both flat and the page cache to the kernel. A read stops at the ids a row can keep
+(:meth:`PretokenizedDataset.read_at_most`): a long document costs what the collator keeps of it.
 """
 
 from __future__ import annotations
@@ -146,12 +147,19 @@ class PretokenizedDataset(ExampleDataset):
             self.offsets[side] = offsets
         self._descriptors: dict[str, int] = {}
         self._pid = -1
+        self._most: dict[str, int | None] = dict.fromkeys(SIDES)
+
+    def read_at_most(self, source: int, target: int) -> PretokenizedDataset:
+        """Reads only each example's first ``source`` and ``target`` ids from now on (what the collator keeps, and
+        more); returns the dataset."""
+        self._most = {"source": source, "target": target}
+        return self
 
     def __len__(self) -> int:
         return len(self.offsets["source"]) - 1
 
     def example(self, index: int) -> Example:
-        """Example ``index``: its ids read from disk, empty texts."""
+        """Example ``index``: its ids read from disk (at most :meth:`read_at_most`'s), empty texts."""
         source, target = (self._ids(side, index) for side in SIDES)
         return Example(source, "", target, "")
 
@@ -168,10 +176,11 @@ class PretokenizedDataset(ExampleDataset):
             self._descriptors = {s: os.open(self.folder / f"{s}.tokens", os.O_RDONLY) for s in SIDES}
             self._pid = os.getpid()
         start, end = int(self.offsets[side][index]), int(self.offsets[side][index + 1])
-        data = os.pread(self._descriptors[side], (end - start) * TOKEN.itemsize, start * TOKEN.itemsize)
-        ids = np.frombuffer(data, TOKEN)
+        most = self._most[side]
+        count = end - start if most is None else min(end - start, most)
+        ids = np.frombuffer(os.pread(self._descriptors[side], count * TOKEN.itemsize, start * TOKEN.itemsize), TOKEN)
         # One reduction bounds both ends: a negative id reads as unsigned past any vocabulary.
-        if len(ids) != end - start or (len(ids) and ids.view("<u4").max() >= self.vocab_size):
+        if len(ids) != count or (len(ids) and ids.view("<u4").max() >= self.vocab_size):
             self._refuse(f"{side}.tokens changed after it was written (example {index} reads wrong)")
         return ids.tolist()
 

@@ -182,8 +182,10 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
-        """Number of token ids, special tokens included: the model's embedding size."""
-        return self._backend.get_vocab_size(with_added_tokens=True)
+        """The model's embedding size, special tokens included: the largest id + 1, which is more than the number of
+        tokens when the ids have gaps (a hand-edited or converted ``tokenizer.json``)."""
+        ids = self._backend.get_vocab(with_added_tokens=True).values()
+        return max(self._backend.get_vocab_size(with_added_tokens=True), max(ids, default=-1) + 1)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``, without special tokens (the collator adds ``<bos>``/``<eos>``)."""

@@ -29,6 +29,7 @@ from torch_handle.export.write import (
     export_ctranslate2,
     merged_checkpoint,
     read_checkpoint,
+    read_metadata,
     read_model,
 )
 
@@ -48,5 +49,6 @@ __all__ = [
     "meta_shell",
     "too_many_layers",
     "read_checkpoint",
+    "read_metadata",
     "read_model",
 ]

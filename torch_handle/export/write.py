@@ -22,6 +22,7 @@ from torch_handle.checkpoints import (
     TOKENIZER_FILE,
     CheckpointError,
     check_checkpoint,
+    checkpoint_fields,
     deepspeed_state,
     is_deepspeed_checkpoint,
     with_tied_weights,
@@ -77,8 +78,9 @@ def merged_checkpoint(path: Path, module: Module) -> dict[str, Any]:
 
 
 def _config_and_tokenizer(path: Path, state: dict[str, Any]) -> tuple[TransformerConfig, str]:
-    """The model config and tokenizer JSON: from the checkpoint, else from the files the checkpoint callback
-    writes beside it (``transformer.json``, ``tokenizer.json``)."""
+    """The model config (with ``attention_backend='auto'``: the loading machine picks its kernel) and tokenizer JSON:
+    from the checkpoint, else from the files the checkpoint callback writes beside it (``transformer.json``,
+    ``tokenizer.json``)."""
     hparams = state.get("hyper_parameters", {})
     if "transformer" in hparams:
         transformer = hparams["transformer"]  # a TransformerConfig, or its fields when built by the CLI
@@ -89,6 +91,7 @@ def _config_and_tokenizer(path: Path, state: dict[str, Any]) -> tuple[Transforme
         config = TransformerConfig(**json.loads((path.parent / CONFIG_FILE).read_text()))
     else:
         raise CheckpointError(f"{path} holds no model config and has no {CONFIG_FILE} beside it")
+    config = dataclasses.replace(config, attention_backend="auto")
     tokenizers = [v["tokenizer"] for v in state.values() if isinstance(v, dict) and "tokenizer" in v]
     if tokenizers:
         return config, tokenizers[0]
@@ -126,7 +129,6 @@ def read_model(checkpoint: str | Path) -> tuple[dict[str, Tensor], TransformerCo
     path = check_checkpoint(checkpoint)
     state = _lightning_state(path)
     config, tokenizer = _config_and_tokenizer(path, state)
-    config = dataclasses.replace(config, attention_backend="auto")  # the loading machine picks its kernel
     weights = {
         k.removeprefix(MODEL_PREFIX): v.detach().float().contiguous()  # cloned below, once tied names are filled
         for k, v in state["state_dict"].items()
@@ -142,6 +144,19 @@ def read_model(checkpoint: str | Path) -> tuple[dict[str, Tensor], TransformerCo
             f"{path} does not match its model config ({problems}): pass a checkpoint {typed_command('fit')} wrote"
         )
     return weights, config, tokenizer, _decoding(state, config)
+
+
+def read_metadata(checkpoint: str | Path) -> tuple[TransformerConfig, str]:
+    """As :func:`read_checkpoint`'s config and tokenizer, from Lightning's fields alone: the weights stay on disk
+    (:func:`~torch_handle.checkpoints.checkpoint_fields`), and are checked against the config when read.
+
+    Args:
+        checkpoint: A ``.ckpt`` file, a DeepSpeed checkpoint folder or an FSDP sharded checkpoint folder.
+    """
+    path = check_checkpoint(checkpoint)
+    with unpickling_only_data(path):
+        fields = checkpoint_fields(path)
+    return _config_and_tokenizer(path, fields)
 
 
 def export(checkpoint: str | Path, output: str | Path) -> Path:

@@ -6,15 +6,16 @@ each step only when the plan asks for it:
 1. the pipeline split: first, because every later step acts on the layers this process keeps;
 2. tensor parallelism: the heads and feed-forward units of those layers (and, without a pipeline, the vocabulary);
 3. context parallelism: each source split over the ranks of its own ``(data_parallel, context_parallel)`` mesh;
-4. activation checkpointing: each layer recomputed in the backward pass, whatever its plans made of it;
-5. ``torch.compile`` of each layer, once the plans above have changed its modules' classes and parameters;
-6. the sharding units, last because they wrap what the steps above built: FSDP2 over the data-parallel dimension,
-   or DeepSpeed's ZeRO-3 units. (``Module.compile`` compiles a layer's call with its hooks, so FSDP2's hooks added
-   after it run inside that call; the loss and gradients are those of sharding first.)
+4. ``torch.compile`` of each layer, once the plans above have changed its modules' classes and parameters;
+5. FSDP2's sharding units over the data-parallel dimension, last because they wrap what the steps above built.
+   (``Module.compile`` compiles a layer's call with its hooks, so FSDP2's hooks added after it run inside that call;
+   the loss and gradients are those of sharding first.)
 
-``Seq2SeqModule.configure_model`` calls it once the processes are connected with everything but ZeRO-3; DeepSpeed
-wraps the model itself later, so :class:`~torch_handle.strategies.DeepSpeedStrategy` calls it with ``zero3`` alone,
-just before DeepSpeed installs its hooks. :func:`check_plan` refuses an impossible plan in one line before any of it.
+Activation checkpointing needs no step: the model recomputes each layer it runs when its config asks, whatever the
+plans made of the layer. ``Seq2SeqModule.configure_model`` calls :func:`parallelize` once the processes are
+connected. DeepSpeed's ZeRO-3 wraps the model itself later, so :class:`~torch_handle.strategies.DeepSpeedStrategy`
+makes its units (:func:`~torch_handle.parallel.sharding.set_zero3_units`, the counterpart of step 5) just before
+DeepSpeed installs its hooks. :func:`check_plan` refuses an impossible plan in one line before any of it.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ from dataclasses import dataclass
 from torch.distributed.device_mesh import DeviceMesh
 
 from torch_handle.model import Transformer, TransformerConfig
-from torch_handle.parallel.context import apply_context_parallel, check_context_parallel
+from torch_handle.parallel.context import apply_context_parallel
 from torch_handle.parallel.mesh import CONTEXT_PARALLEL, DATA_PARALLEL, PIPELINE_PARALLEL, TENSOR_PARALLEL
 from torch_handle.parallel.pipeline import Pipeline, PipelineConfig, apply_pipeline_parallel, check_pipeline_parallel
-from torch_handle.parallel.sharding import apply_fully_shard, apply_fully_shard_stages, set_zero3_units
+from torch_handle.parallel.sharding import apply_fully_shard, apply_fully_shard_stages
 from torch_handle.parallel.tensor import apply_tensor_parallel, check_tensor_parallel
 
 
@@ -41,18 +42,13 @@ class ParallelPlan:
             loads such a strategy's checkpoints as DTensors).
         pipeline: How batches flow through the stages, when the mesh's pipeline dimension has several processes.
         context: The ``(data_parallel, context_parallel)`` mesh of :func:`~torch_handle.parallel.build_mesh`.
-        activation_checkpointing: Recompute each layer's activations in the backward pass (None: as the model was
-            built).
         compile: ``torch.compile`` each encoder and decoder layer.
-        zero3: Make each encoder and decoder layer one DeepSpeed ZeRO-3 unit.
     """
 
     mesh: DeviceMesh | None = None
     pipeline: PipelineConfig | None = None
     context: DeviceMesh | None = None
-    activation_checkpointing: bool | None = None
     compile: bool = False
-    zero3: bool = False
 
     @property
     def pipeline_size(self) -> int:
@@ -65,14 +61,13 @@ class ParallelPlan:
 
 
 def check_plan(config: TransformerConfig, plan: ParallelPlan) -> None:
-    """Raises a one-line error when ``plan`` cannot apply to a model of ``config``: the strategy asks as soon as it
-    has laid its mesh out, before the run folder is made, and :func:`parallelize`'s steps ask again."""
+    """Raises a one-line error when the mesh of ``plan`` cannot apply to a model of ``config``: the strategy asks as
+    soon as it has laid its mesh out, before the run folder is made, and :func:`parallelize`'s steps ask again.
+    (Context parallelism, which lays out its own mesh, is checked when the module is built.)"""
     if plan.pipeline_size > 1:
         check_pipeline_parallel(config, plan.pipeline_size, plan.pipeline)
     if plan.tensor_parallel_size > 1:
         check_tensor_parallel(config, plan.tensor_parallel_size)
-    if plan.context is not None:
-        check_context_parallel(config, plan.context[CONTEXT_PARALLEL].size())
 
 
 def parallelize(model: Transformer, plan: ParallelPlan) -> Pipeline | None:
@@ -85,15 +80,11 @@ def parallelize(model: Transformer, plan: ParallelPlan) -> Pipeline | None:
         apply_tensor_parallel(model, mesh[TENSOR_PARALLEL], vocabulary=stages is None)
     if plan.context is not None:  # 3.
         apply_context_parallel(model, plan.context[CONTEXT_PARALLEL].get_group())
-    if plan.activation_checkpointing is not None:  # 4. the model wraps each layer it runs in ``checkpoint``
-        model.activation_checkpointing = plan.activation_checkpointing
-    if plan.compile:  # 5.
+    if plan.compile:  # 4.
         for layer in (*model.encoder_layers, *model.decoder_layers):
             layer.compile()
-    if stages is not None:  # 6.
+    if stages is not None:  # 5.
         apply_fully_shard_stages(stages, mesh[DATA_PARALLEL])
     elif mesh is not None:
         apply_fully_shard(model, mesh[DATA_PARALLEL])
-    if plan.zero3:
-        set_zero3_units(model)
     return Pipeline(stages, mesh[PIPELINE_PARALLEL], plan.pipeline) if stages is not None else None

@@ -7,14 +7,12 @@ architecture, its weights and its tokenizer alike.
 
 from __future__ import annotations
 
-import atexit
-import shutil
-import tempfile
 from pathlib import Path
 
 from torch import Tensor
 
-from torch_handle.checkpoints import CheckpointError, is_deepspeed_checkpoint, last_checkpoint
+from torch_handle.atomic import temporary_folder
+from torch_handle.checkpoints import TOKENIZER_FILE, CheckpointError, is_deepspeed_checkpoint, last_checkpoint
 from torch_handle.data.tokenizer import Tokenizer
 from torch_handle.export import (
     Decoding,
@@ -22,6 +20,7 @@ from torch_handle.export import (
     exported_metadata,
     exported_weights,
     is_exported,
+    read_metadata,
     read_model,
 )
 from torch_handle.model import Transformer
@@ -45,19 +44,33 @@ def read_trained(path: Path) -> tuple[dict[str, Tensor], TransformerConfig, Toke
     if is_exported(path):
         config, tokenizer = exported_metadata(path)
         return exported_weights(path), config, tokenizer, exported_decoding(path, config)
-    if path.is_dir() and not (is_deepspeed_checkpoint(path) or (path / ".metadata").is_file()):
-        if not (path / "checkpoints").is_dir():
-            raise CheckpointError(f"{path} is a folder but not a checkpoint or a run folder: pass {KINDS}")
-        path = last_checkpoint(path / "checkpoints")
-    weights, config, text, decoding = read_model(path)
+    weights, config, text, decoding = read_model(_checkpoint(path))
     return weights, config, Tokenizer.from_str(text), decoding
 
 
+def trained_metadata(path: Path) -> tuple[TransformerConfig, Tokenizer]:
+    """:func:`read_trained`'s config and tokenizer, read without the weights (which a model built from the config
+    then reads once)."""
+    if is_exported(path):
+        return exported_metadata(path)
+    config, text = read_metadata(_checkpoint(path))
+    return config, Tokenizer.from_str(text)
+
+
+def _checkpoint(path: Path) -> Path:
+    """``path``, or the last checkpoint of the run folder ``path``."""
+    if path.is_dir() and not (is_deepspeed_checkpoint(path) or (path / ".metadata").is_file()):
+        if not (path / "checkpoints").is_dir():
+            raise CheckpointError(f"{path} is a folder but not a checkpoint or a run folder: pass {KINDS}")
+        return last_checkpoint(path / "checkpoints")
+    return path
+
+
 def init_config(path: Path) -> TransformerConfig:
-    """The architecture of ``--model.init_from``: a Hugging Face folder's, or one of ours (:func:`read_trained`)."""
+    """The architecture of ``--model.init_from``: a Hugging Face folder's, or one of ours (:func:`trained_metadata`)."""
     if is_pretrained_folder(_existing(path)):
         return pretrained_config(path)[0]
-    return read_trained(path)[1]
+    return trained_metadata(path)[0]
 
 
 def init_weights(model: Transformer, path: Path) -> None:
@@ -74,10 +87,8 @@ def init_tokenizer_path(init_from: str) -> str:
     path = _existing(Path(init_from))
     if is_pretrained_folder(path):
         return init_from
-    folder = tempfile.mkdtemp(prefix="torch-handle-init-")
-    atexit.register(shutil.rmtree, folder, True)
-    tokenizer = Path(folder) / "tokenizer.json"
-    read_trained(path)[2].save(tokenizer)
+    tokenizer = temporary_folder() / TOKENIZER_FILE
+    trained_metadata(path)[1].save(tokenizer)
     return str(tokenizer)
 
 

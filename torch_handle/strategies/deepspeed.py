@@ -24,10 +24,7 @@ from torch_handle.checkpoints import (
 )
 from torch_handle.errors import SetupError
 from torch_handle.model import Transformer
-from torch_handle.parallel import (
-    ParallelPlan,
-    parallelize,
-)
+from torch_handle.parallel import set_zero3_units
 from torch_handle.strategies.folders import _SafeFolders
 
 
@@ -111,11 +108,11 @@ class DeepSpeedStrategy(_SafeFolders, _LightningDeepSpeedStrategy):
 
     @override
     def init_deepspeed(self) -> None:
-        """Under ZeRO-3, each encoder and decoder layer is one unit whose parameters are gathered together, the last
-        step of :func:`~torch_handle.parallel.parallelize`, before DeepSpeed installs its hooks."""
+        """Under ZeRO-3, each encoder and decoder layer is one unit whose parameters are gathered together (as FSDP2's
+        units, the last step of :func:`~torch_handle.parallel.parallelize`), before DeepSpeed installs its hooks."""
         model = getattr(self.lightning_module, "model", None)
         if self.zero_stage_3 and isinstance(model, Transformer):
-            parallelize(model, ParallelPlan(zero3=True))
+            set_zero3_units(model)
         super().init_deepspeed()
 
     @override
