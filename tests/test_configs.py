@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.test_pretrained_led import stand_in_led
 from torch_handle.cli import OneLineErrorParser, main
 from torch_handle.data.base import Seq2SeqDataModule
 from torch_handle.lightning_cli import TorchHandleCLI
@@ -16,6 +17,9 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 DEMO = ROOT / "configs" / "demo.yaml"
 FAST = ["--data.init_args.bpe_vocab_size=300"]  # tokenizer training is the slow part of instantiation
+# Hugging Face folders that configs start from (--model.init_from), which cannot be downloaded here: a tiny model of
+# the family stands in, at the same path.
+STAND_INS = {"led-base-16384": stand_in_led}
 
 
 def _stack(path: Path) -> list[str]:
@@ -38,8 +42,13 @@ def test_config_parses_and_instantiates(
     paths = [path for value in data.values() for path in (value if isinstance(value, list) else [value])]
     if any(str(path).startswith("data/") for path in paths):  # data/<corpus>, as prepare writes it
         (tmp_path / "data").symlink_to(request.getfixturevalue("shared_data"))  # skips when it is absent
+    init_from = (yaml.safe_load(path.read_text(encoding="utf-8")).get("model") or {}).get("init_from")
+    if init_from is not None:
+        STAND_INS[init_from](tmp_path / init_from)
     monkeypatch.chdir(tmp_path)  # data paths in configs are relative to the working directory
     args = [*_stack(path), f"--trainer.default_root_dir={tmp_path}", *FAST]
+    if init_from is not None:  # such a config then trains for two steps, on batches the stand-in runs quickly
+        args += ["--trainer.max_steps=2", "--trainer.limit_val_batches=1", "--data.init_args.max_tokens=1024"]
     cli = TorchHandleCLI(
         Seq2SeqModule,
         Seq2SeqDataModule,
@@ -55,6 +64,9 @@ def test_config_parses_and_instantiates(
         assert getattr(cli.model.config, key) == value, f"{path.name}: model.transformer.{key}"
     if "data" in config:
         assert type(cli.datamodule).__name__ == config["data"]["class_path"].rsplit(".", 1)[-1]
+    if init_from is not None:  # the folder's architecture, weights and tokenizer train as the run's
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+        assert cli.trainer.global_step == 2 and cli.model.hparams["init_from"] is None
 
 
 def test_print_config_shows_the_resolved_yaml(capsys: pytest.CaptureFixture[str]) -> None:

@@ -157,17 +157,20 @@ def test_generate_matches_transformers(folder: tuple[Path, object, object], num_
         assert len({int((row != hf.config.pad_token_id).sum()) for row in expected}) > 1, "outputs of one length"
 
 
-def assert_generate_matches(path: Path, tok: object, expected: torch.Tensor, num_beams: int) -> None:
-    """Our ``generate`` and ``translate`` of ``TEXTS`` write ``expected``, transformers' (without the start token)."""
-    batch = tok(TEXTS, return_tensors="pt", padding=True)
+def assert_generate_matches(
+    path: Path, tok: object, expected: torch.Tensor, num_beams: int, texts: list[str] = TEXTS, task: str = "translate"
+) -> None:
+    """Our ``generate`` and ``translate`` (or ``summarize``, the ``task``) of ``texts`` write ``expected``,
+    transformers' (without the start token)."""
+    batch = tok(texts, return_tensors="pt", padding=True)
     ours, _, decoding = load_pretrained(path)
     out = generate(ours.eval(), batch["input_ids"], decoding.max_new_tokens, num_beams, decoding.length_penalty)
     width = max(out.shape[1], expected.shape[1])
     pad = ours.config.pad_id
     out, padded = (torch.nn.functional.pad(t, (0, width - t.shape[1]), value=pad) for t in (out, expected))
     assert torch.equal(out, padded)
-    texts = torch_handle.load(path).translate(TEXTS, num_beams=num_beams)
-    assert texts == [t.strip() for t in tok.batch_decode(expected, skip_special_tokens=True)]
+    outputs = getattr(torch_handle.load(path), task)(texts, num_beams=num_beams)
+    assert outputs == [t.strip() for t in tok.batch_decode(expected, skip_special_tokens=True)]
 
 
 @pytest.mark.parametrize("num_beams", [1, 4])
@@ -208,9 +211,9 @@ def test_decoding_defaults_fall_back_to_config_json(tmp_path: Path) -> None:
 
 def test_unsupported_model_type_is_one_line(tmp_path: Path) -> None:
     _save("bart", "safetensors", tmp_path)
-    config = (tmp_path / "config.json").read_text().replace('"model_type": "bart"', '"model_type": "led"')
+    config = (tmp_path / "config.json").read_text().replace('"model_type": "bart"', '"model_type": "prophetnet"')
     (tmp_path / "config.json").write_text(config)
-    expected = r"model_type 'led' is not supported; supported: bart, marian, mbart, mt5, pegasus, t5$"
+    expected = r"model_type 'prophetnet' is not supported; supported: bart, led, marian, mbart, mt5, pegasus, t5$"
     with pytest.raises(CheckpointError, match=expected):
         load_pretrained(tmp_path)
 
@@ -314,6 +317,14 @@ def test_init_from_trains_on_transformers_loss(family: str, tmp_path: Path) -> N
     # transformers' tokenizer makes (BART: <s> text </s>, the decoder starting at </s>; Marian: text </s>, from
     # <pad>), so the first step's loss is transformers' on the same batch.
     path, hf, tok = _save(family, "safetensors", tmp_path)
+    tokenizer = assert_first_loss_matches(path, hf, tok)
+    restored = Tokenizer.from_str(tokenizer.to_str())  # checkpoints keep the special tokens beside the vocabulary
+    assert restored.specials == tokenizer.specials and restored.encode_batch(TEXTS) == tokenizer.encode_batch(TEXTS)
+
+
+def assert_first_loss_matches(path: Path, hf: object, tok: object, **hf_inputs: torch.Tensor) -> Tokenizer:
+    """A module started from ``path`` collates ``TEXTS`` and ``TARGETS`` as ``tok`` does, and its first loss is
+    ``hf``'s on them (given ``hf_inputs`` too); returns the folder's tokenizer."""
     tokenizer = pretrained_tokenizer(path)
     rows = zip(tokenizer.encode_batch(TEXTS), tokenizer.encode_batch(TARGETS), strict=True)
     batch = Collator(64, 64, tokenizer.specials)([Example(s, "", t, "") for s, t in rows])
@@ -326,11 +337,10 @@ def test_init_from_trains_on_transformers_loss(family: str, tmp_path: Path) -> N
     assert module.hparams["init_from"] is None and module.hparams["transformer"] == module.config  # no folder needed
     with torch.no_grad():
         _, nll_sum, tokens = module._loss(batch)
-        inputs = {"input_ids": reference["input_ids"], "attention_mask": reference["attention_mask"]}
+        inputs = {"input_ids": reference["input_ids"], "attention_mask": reference["attention_mask"], **hf_inputs}
         expected = hf(**inputs, labels=labels.masked_fill(labels == tok.pad_token_id, -100)).loss
     torch.testing.assert_close(nll_sum / tokens, expected, atol=1e-5, rtol=0)
-    restored = Tokenizer.from_str(tokenizer.to_str())  # checkpoints keep the special tokens beside the vocabulary
-    assert restored.specials == tokenizer.specials and restored.encode_batch(TEXTS) == tokenizer.encode_batch(TEXTS)
+    return tokenizer
 
 
 @pytest.mark.slow

@@ -13,12 +13,17 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from tests.test_pretrained import TARGETS, TEXTS, WORDS, assert_generate_matches, assert_logits_match, assert_round_trip
+from tests.test_pretrained import (
+    TEXTS,
+    WORDS,
+    assert_first_loss_matches,
+    assert_generate_matches,
+    assert_logits_match,
+    assert_round_trip,
+)
 from torch_handle.ctranslate2 import ExportError
-from torch_handle.data.batching import Collator, Example
 from torch_handle.errors import SetupError
 from torch_handle.model import ConfigError, Transformer, TransformerConfig
-from torch_handle.module import Seq2SeqModule
 from torch_handle.parallel.pipeline import PipelineConfig, check_pipeline_parallel
 from torch_handle.parallel.tensor import check_tensor_parallel
 from torch_handle.pretrained import load_pretrained, pretrained_tokenizer
@@ -131,20 +136,7 @@ def test_the_t5_tokenizer_json_is_the_run_s(folder: tuple[Path, object, object])
 
 def test_init_from_trains_on_transformers_loss(tmp_path: Path) -> None:
     """The first step's loss of a module started from a v1.1 folder is transformers' on the same batch."""
-    path, hf, tok = _save("t5-v1.1", tmp_path)
-    tokenizer = pretrained_tokenizer(path)
-    rows = zip(tokenizer.encode_batch(TEXTS), tokenizer.encode_batch(TARGETS), strict=True)
-    batch = Collator(64, 64, tokenizer.specials)([Example(s, "", t, "") for s, t in rows])
-    reference = tok(TEXTS, text_target=TARGETS, return_tensors="pt", padding=True)
-    labels = reference["labels"]
-    assert torch.equal(batch["src"], reference["input_ids"]) and torch.equal(batch["tgt"][:, 1:], labels)
-    module = Seq2SeqModule(vocab_size=tokenizer.vocab_size, label_smoothing=0.0, max_new_tokens=11, init_from=str(path))
-    module.eval()
-    with torch.no_grad():
-        _, nll_sum, tokens = module._loss(batch)
-        inputs = {"input_ids": reference["input_ids"], "attention_mask": reference["attention_mask"]}
-        expected = hf(**inputs, labels=labels.masked_fill(labels == 0, -100)).loss
-    torch.testing.assert_close(nll_sum / tokens, expected, atol=1e-5, rtol=0)
+    assert_first_loss_matches(*_save("t5-v1.1", tmp_path))
 
 
 @pytest.mark.parametrize("kind", ["t5-v1.0", "t5-v1.1"])

@@ -172,7 +172,7 @@ class Model:
             "length_penalty": d.length_penalty if length_penalty is None else length_penalty,
             "controls": dataclasses.replace(d.controls(), **_sampling_off(controls)),
         }
-        context = self.model.config.context_length
+        context = self.model.config.target_length  # the decoder's positions
         if context is not None and options["max_new_tokens"] + 1 > context:
             raise ValueError(
                 f"max_new_tokens={options['max_new_tokens']} does not fit the model's max_len={context} "
@@ -234,8 +234,8 @@ def load(
     Args:
         path: An exported ``.safetensors`` file, a ``.ckpt`` file, a DeepSpeed or FSDP checkpoint folder, a run
             folder (``--trainer.default_root_dir``: its ``checkpoints/last.ckpt`` is loaded), or a Hugging Face model
-            folder (BART, mBART, Marian, PEGASUS: :mod:`torch_handle.pretrained`), with its tokenizer and generation
-            config.
+            folder (BART, mBART, Marian, PEGASUS, T5, mT5, LED: :mod:`torch_handle.pretrained`), with its tokenizer and
+            generation config.
         device: Where to decode: ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ... On a GPU greedy decoding and beam search
             replay each step as a CUDA graph (see benchmarks/RESULTS.md, section "bench_peers on a GPU").
         attention_backend: The attention kernel on this machine (``auto`` picks one).

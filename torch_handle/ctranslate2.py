@@ -50,6 +50,11 @@ class ExportError(ValueError):
 
 def unsupported(config: TransformerConfig) -> str | None:
     """Why CTranslate2's ``TransformerSpec`` cannot express ``config``, naming the field; None when it can."""
+    if config.encoder_attention == "longformer":
+        return (
+            "encoder_attention='longformer' (LED's): CTranslate2 has no LED converter and no Longformer attention; "
+            "export --format hf and decode with transformers"
+        )
     if not config.norm_first:
         return (
             "norm_first=False (post-LN): CTranslate2's post-norm Transformer has no final LayerNorm, ours does; "

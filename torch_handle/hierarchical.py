@@ -139,7 +139,8 @@ def summarize(
     Returns:
         The summary, without special tokens.
     """
-    limit = max_source_tokens - 1  # the model's input ends in <eos>
+    # The model's input ends in <eos>, after a pretrained tokenizer's prefix (BART's and LED's <s>).
+    limit = max_source_tokens - 1 - len(tokenizer.specials.source_prefix)
     if max_levels < 0:
         raise ValueError(f"max_levels must be >= 0, got {max_levels}")
     chunk_spans(0, limit, overlap)  # validates limit and overlap before any decoding

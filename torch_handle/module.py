@@ -89,11 +89,11 @@ class Seq2SeqModule(Evaluation, Optimization):
         compile: ``torch.compile`` each encoder and decoder layer (as torchtitan compiles its blocks) once the
             parallelisation plans are applied, and the loss: fused kernels and fewer launches on a GPU, after a
             compilation of about a minute. Chosen for each run: checkpoints do not keep it.
-        init_from: A model to start from: a Hugging Face model folder (BART, mBART, Marian, PEGASUS, T5, mT5), or one
-            of ours as :func:`torch_handle.load` reads it (an export, a checkpoint, a run folder, e.g. a
-            ``--config pretrain`` run's): its architecture replaces ``transformer`` (but for the attention kernel and
-            activation checkpointing), its weights the random ones, and its tokenizer the data's
-            (:mod:`torch_handle.pretrained.trained`).
+        init_from: A model to start from: a Hugging Face model folder (BART, mBART, Marian, PEGASUS, T5, mT5, LED),
+            or one of ours as :func:`torch_handle.load` reads it (an export, a checkpoint, a run folder, e.g. a
+            ``--config pretrain`` run's): its architecture replaces ``transformer`` (but for the attention kernel,
+            activation checkpointing and LED's ``global_tokens``), its weights the random ones, and its tokenizer the
+            data's (:mod:`torch_handle.pretrained.trained`).
     """
 
     def __init__(
@@ -158,10 +158,11 @@ class Seq2SeqModule(Evaluation, Optimization):
         if init_from is not None:
             config = self._pretrained_config(Path(init_from), transformer, vocab_size)
         check_context_parallel(config, context_parallel)
-        if config.position in ("sinusoidal", "learned") and max_new_tokens + 1 > config.max_len:
+        if config.target_length is not None and max_new_tokens + 1 > config.target_length:
+            name = "max_target_len" if config.max_target_len else "max_len"
             raise ConfigError(
-                f"max_new_tokens={max_new_tokens} does not fit max_len={config.max_len} of position="
-                f"{config.position!r}: lower max_new_tokens or raise transformer.max_len"
+                f"max_new_tokens={max_new_tokens} does not fit {name}={config.target_length} of position="
+                f"{config.position!r}: lower max_new_tokens or raise transformer.{name}"
             )
         self.model = Transformer(config)
         self.config = config
@@ -175,7 +176,8 @@ class Seq2SeqModule(Evaluation, Optimization):
 
     def _pretrained_config(self, folder: Path, given: TransformerConfig, vocab_size: int) -> TransformerConfig:
         """The architecture of the model at ``folder`` (``init_from``), with ``given``'s run settings (attention
-        kernel, activation checkpointing). Checkpoints keep it as ``transformer``, so they load without the folder."""
+        kernel, activation checkpointing, global tokens). Checkpoints keep it as ``transformer``, so they load without
+        the folder."""
         config = init_config(folder)
         if vocab_size != config.tgt_vocab_size:
             raise ConfigError(
@@ -186,6 +188,7 @@ class Seq2SeqModule(Evaluation, Optimization):
             config,
             attention_backend=given.attention_backend,
             activation_checkpointing=given.activation_checkpointing,
+            global_tokens=given.global_tokens,
         )
         built = isinstance(self.hparams["transformer"], TransformerConfig)  # else its fields, as the CLI keeps them
         self.hparams["transformer"] = config if built else config.to_dict()
@@ -282,6 +285,12 @@ class Seq2SeqModule(Evaluation, Optimization):
                 "deepspeed, or set --model.context_parallel 1"
             )
         plan = self._plan()
+        for strategy, size in (("tensor", plan.tensor_parallel_size), ("pipeline", plan.pipeline_size)):
+            if size > 1 and self.model.config.encoder_attention == "longformer":  # global_proj has no plan yet
+                raise SetupError(
+                    f"{strategy} parallelism does not split transformer.encoder_attention='longformer' (LED's) yet: "
+                    "train this model with ddp, zero or fsdp"
+                )
         if plan.pipeline_size > 1 and self.hparams.generate_every_n_val_epochs:
             raise SetupError(
                 f"--model.generate_every_n_val_epochs={self.hparams.generate_every_n_val_epochs}: a pipeline cannot "

@@ -46,7 +46,7 @@ def serve(
     from torch_handle.server import LIMITS, build_server
 
     loaded = load(model)
-    context = loaded.model.config.context_length
+    context = loaded.model.config.target_length  # the decoder's positions
     fits = None if context is None else context - 1  # <bos> takes a position
     if max_new_tokens is not None and fits is not None and max_new_tokens > fits:
         raise SetupError(

@@ -65,8 +65,9 @@ class Decoding(DecodingControls):
         if "max_source_tokens" not in fields:
             default = DEFAULT_MAX_SOURCE_TOKENS[task]
             fields["max_source_tokens"] = default if context is None else min(default, context)
-        if "max_new_tokens" not in fields and context is not None:
-            fields["max_new_tokens"] = min(cls.max_new_tokens, context - 1)  # <bos> takes a position
+        target = config.target_length  # the decoder's positions (LED's are fewer)
+        if "max_new_tokens" not in fields and target is not None:
+            fields["max_new_tokens"] = min(cls.max_new_tokens, target - 1)  # <bos> takes a position
         return cls(**fields)
 
     def controls(self) -> DecodingControls:

@@ -94,6 +94,9 @@ class MultiHeadAttention(nn.Module):
         head_dim: Width of each head; ``None`` is ``d_model // num_heads``.
         bias: Biases in the projections.
         scale: Divide the scores by sqrt(head_dim); T5 does not.
+        global_projection: Longformer's encoder self-attention (LED): the queries of the global tokens
+            (``MaskSpec.global_keys``), and the keys and values they attend to, come from a second packed projection,
+            ``global_proj``, and those tokens attend to every position.
     """
 
     def __init__(
@@ -105,6 +108,7 @@ class MultiHeadAttention(nn.Module):
         head_dim: int | None = None,
         bias: bool = True,
         scale: bool = True,
+        global_projection: bool = False,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -112,6 +116,7 @@ class MultiHeadAttention(nn.Module):
         self.backend = backend
         inner = num_heads * (head_dim or d_model // num_heads)
         self.in_proj = nn.Linear(d_model, 3 * inner, bias=bias)
+        self.global_proj = nn.Linear(d_model, 3 * inner, bias=bias) if global_projection else None
         self.out_proj = nn.Linear(inner, d_model, bias=bias)
         # Every kernel divides the scores by sqrt(head_dim); unscaled attention multiplies the queries by as much.
         self.query_scale = None if scale else (inner // num_heads) ** 0.5
@@ -121,9 +126,9 @@ class MultiHeadAttention(nn.Module):
         neighbouring ranks' halos; the model itself never does."""
 
     @classmethod
-    def of(cls, config: TransformerConfig) -> MultiHeadAttention:
-        """The attention layer ``config`` describes."""
-        return cls(
+    def of(cls, config: TransformerConfig, encoder: bool = False) -> MultiHeadAttention:
+        """The attention layer ``config`` describes; the ``encoder``'s self-attention may project global tokens."""
+        layer = cls(
             config.d_model,
             config.num_heads,
             config.attention_p,
@@ -131,7 +136,12 @@ class MultiHeadAttention(nn.Module):
             config.head_dim,
             config.bias,
             config.scale_attention,
+            global_projection=encoder and config.encoder_attention == "longformer",
         )
+        if layer.global_proj is not None and config.global_tokens == 0:
+            # Kept so its weights load and export, frozen since no token uses it: DDP would wait for its gradients.
+            layer.global_proj.requires_grad_(False)
+        return layer
 
     def _heads(self, x: Tensor) -> Tensor:  # (B, T, C) -> (B, H, T, D)
         b, t, c = x.shape
@@ -184,7 +194,17 @@ class MultiHeadAttention(nn.Module):
             q = q * self.query_scale
         dropout_p = self.dropout if self.training else 0.0
         out = attend(q, k, v, spec, self.backend, dropout_p)  # (B, H, T, D)
+        if self.global_proj is not None and spec.global_keys:
+            out = torch.cat([self._global_rows(x, spec, dropout_p), out[:, :, spec.global_keys :]], dim=2)
         return self.out_proj(out.transpose(1, 2).reshape(*x.shape[:-1], -1))
+
+    def _global_rows(self, x: Tensor, spec: MaskSpec, dropout_p: float) -> Tensor:
+        """The outputs ``(B, H, G, D)`` of the ``G`` global tokens of ``x (B, T, C)``: their ``global_proj`` queries
+        over every position's ``global_proj`` keys and values, padding aside (``G x T`` scores: a few rows). The
+        module is called whole (int8 decoding replaces it); the queries of the other positions go unused."""
+        q, k, v = (self._heads(t) for t in self.global_proj(x).chunk(3, dim=-1))  # type: ignore[misc] - set
+        q = q[:, :, : spec.global_keys]  # (B, H, G, D)
+        return attend(q, k, v, MaskSpec(key_padding=spec.key_padding), self.backend, dropout_p)
 
     def project(self, x: Tensor, part: str) -> Tensor:
         """``x`` times the packed projection's rows named by ``part``: ``"qkv"`` all of them (self-attention),

@@ -12,7 +12,7 @@ Position = Literal["sinusoidal", "learned", "rope", "alibi", "relative"]
 Norm = Literal["layer", "rms"]
 RopeScaling = Literal["linear", "ntk"]
 SinusoidLayout = Literal["interleaved", "halves"]
-EncoderAttention = Literal["full", "local"]
+EncoderAttention = Literal["full", "local", "longformer"]
 AttentionBackend = Literal["auto", "naive", "sdpa", "flex", "xformers"]
 
 
@@ -38,7 +38,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "position": ("sinusoidal", "learned", "rope", "alibi", "relative"),
     "norm": ("layer", "rms"),
     "rope_scaling": (None, "linear", "ntk"),
-    "encoder_attention": ("full", "local"),
+    "encoder_attention": ("full", "local", "longformer"),
     "attention_backend": ("auto", "naive", "sdpa", "flex", "xformers"),
 }
 
@@ -86,8 +86,14 @@ class TransformerConfig:
         rope_base: RoPE's frequency base.
         max_len: Longest sequence for the ``sinusoidal`` and ``learned`` tables; the trained length that
             RoPE scaling refers to.
-        encoder_attention: ``full`` or ``local`` (sliding-window) self-attention in the encoder.
+        max_target_len: Longest decoder sequence for those tables, when the decoder's is shorter than the encoder's
+            (LED); ``None`` is ``max_len``.
+        encoder_attention: ``full`` or ``local`` (sliding-window) self-attention in the encoder, or ``longformer``
+            (LED's): local, plus ``global_tokens`` that attend to every position through projections of their own,
+            and that every position attends to.
         window: For local attention, how many positions on each side a token attends to.
+        global_tokens: Under ``longformer`` attention, how many of a source's first positions are global (LED
+            summarizes with its first, ``<s>``; 0 leaves the windows alone).
         attention_backend: Attention kernel; ``auto`` picks the fastest that supports the configuration on
             the current device.
         cross_downsample: Average-pool the encoder output by this factor before cross-attention (1 = off).
@@ -138,8 +144,10 @@ class TransformerConfig:
     rope_scaling_factor: float = 1.0
     rope_base: float = 10000.0
     max_len: int = 1024
+    max_target_len: int | None = None
     encoder_attention: EncoderAttention = "full"
     window: int = 512
+    global_tokens: int = 1
     attention_backend: AttentionBackend = "auto"
     cross_downsample: int = 1
     activation_checkpointing: bool = False
@@ -195,6 +203,15 @@ class TransformerConfig:
                 raise ConfigError(f"{name} must be in [0, 1), got {value}")
         if self.window < 1:
             raise ConfigError(f"window must be >= 1, got {self.window}")
+        if self.global_tokens < 0:
+            raise ConfigError(f"global_tokens must be >= 0, got {self.global_tokens}")
+        if self.max_target_len is not None and self.max_target_len < 1:
+            raise ConfigError(f"max_target_len must be >= 1 or None, got {self.max_target_len}")
+        if self.encoder_attention == "longformer" and self.position not in ("sinusoidal", "learned"):
+            raise ConfigError(
+                f"encoder_attention='longformer' (LED's) takes absolute positions: set position learned or "
+                f"sinusoidal, got {self.position!r}"
+            )
         if self.cross_downsample < 1:
             raise ConfigError(f"cross_downsample must be >= 1 (1 = off), got {self.cross_downsample}")
         if self.rope_scaling_factor < 1.0:
@@ -225,6 +242,12 @@ class TransformerConfig:
     def context_length(self) -> int | None:
         """Longest sequence the position encoding supports: ``max_len`` for tables, None for the others."""
         return self.max_len if self.position in ("sinusoidal", "learned") else None
+
+    @property
+    def target_length(self) -> int | None:
+        """Longest decoder sequence the position encoding supports: ``max_target_len`` or ``max_len`` for tables,
+        None for the others."""
+        return None if self.context_length is None else self.max_target_len or self.max_len
 
     @property
     def shares_source_embedding(self) -> bool:

@@ -6,7 +6,8 @@ window) and a score mod (ALiBi), compiled on CUDA and eager on CPU; ``xformers``
 ``memory_efficient_attention`` on CUDA.
 
 Local attention on ``naive`` and ``sdpa`` runs block by block: queries in chunks of ``w`` positions see
-the ``3w`` keys around them, so memory grows as ``S * w`` and no ``S x S`` tensor is ever built.
+the ``3w`` keys around them, and the ``G`` global keys (Longformer's) beside them, so memory grows as ``S * (w + G)``
+and no ``S x S`` tensor is ever built.
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ def _blocked_local(kernel: Kernel, q: Tensor, k: Tensor, v: Tensor, spec: MaskSp
     """Sliding-window self-attention in ``O(Tq * window)`` memory, never building a ``Tq x Tk`` tensor.
 
     Keys may reach past the queries on both sides: query ``i`` sits at key ``i + spec.q_offset`` (``Tq == Tk`` and
-    offset 0 for a whole sequence; context parallelism adds a halo of neighbouring keys on each side).
+    offset 0 for a whole sequence; context parallelism adds a halo of neighbouring keys on each side). The
+    ``spec.global_keys`` first keys join every block's keys, and leave the windows.
     """
     assert spec.window is not None and not spec.causal
     b, h, s, d = q.shape
@@ -106,6 +108,16 @@ def _blocked_local(kernel: Kernel, q: Tensor, k: Tensor, v: Tensor, spec: MaskSp
     if spec.alibi is not None:
         bias = alibi_bias(spec.alibi.to(q.device), q_pos, k_pos).to(q.dtype)  # (H, w, 3w)
         mask = bias.masked_fill(~mask, float("-inf"))  # (B, N, H, w, 3w)
+    g = spec.global_keys
+    if g:  # every block also sees the global keys, which its window then skips (its own key aside)
+        assert spec.alibi is None, "TransformerConfig refuses global tokens with ALiBi"
+        first = torch.arange(num_blocks, device=q.device) * w - w + offset  # each block's first key, (N,)
+        local = (first[:, None] + k_pos[None, :] >= g)[None, :, None, None, :] | is_self  # (1, N, 1, w, 3w)
+        seen = pad[:, :g, None, None, None].transpose(1, 4).expand(b, num_blocks, 1, w, g)  # (B, N, 1, w, G)
+        mask = torch.cat([seen, mask & local], dim=-1)  # (B, N, 1, w, G + 3w)
+        k_global, v_global = (x[:, :, :g][:, None].expand(b, num_blocks, h, g, d) for x in (k, v))
+        kb, vb = torch.cat([k_global, kb], dim=3), torch.cat([v_global, vb], dim=3)  # (B, N, H, G + 3w, D)
+        span += g
     flat = b * num_blocks
     out = kernel(
         qb.reshape(flat, h, w, d),
@@ -169,7 +181,7 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, dropout_p: float) -> 
             f"{k.shape[-2]} scores: use attention_backend='sdpa' (or 'auto') for inputs this long there"
         )
     pad, window, causal, offset, slopes = spec.key_padding, spec.window, spec.causal, spec.q_offset, spec.alibi
-    bias = spec.bias
+    bias, g = spec.bias, spec.global_keys
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         q_abs = q_idx + offset
@@ -177,7 +189,10 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, dropout_p: float) -> 
         if causal:
             keep = keep & (kv_idx <= q_abs)
         if window is not None:
-            keep = keep & ((kv_idx - q_abs).abs() <= window)
+            near = (kv_idx - q_abs).abs() <= window
+            if g:  # global keys: seen from everywhere, and outside every window but their own query's
+                near = (near & ((kv_idx >= g) | (kv_idx == q_abs))) | (kv_idx < g)
+            keep = keep & near
         if pad is not None:
             visible = ~pad[b, kv_idx]
             # As in the blocked kernel: under a window a query always sees itself.

@@ -88,7 +88,7 @@ class EncoderLayer(nn.Module):
 
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
-        self.self_attn = MultiHeadAttention.of(config)
+        self.self_attn = MultiHeadAttention.of(config, encoder=True)
         self.ff = FeedForward(config)
         self.attn_block = _Residual(config)
         self.ff_block = _Residual(config)

@@ -26,6 +26,8 @@ class MaskSpec:
             :func:`torch_handle.model.positions.relative_bias`).
         q_offset: Position of the first query (keys start at 0); non-zero while decoding with a cache, a ``(1,)``
             tensor with a static one.
+        global_keys: Under a ``window``, the first keys that every query sees wherever it sits (Longformer's global
+            tokens); the window then skips them, but for a query's own key.
         built: What a kernel derived from this spec (flex's block mask), kept so that every layer of one
             forward pass reuses it.
     """
@@ -36,6 +38,7 @@ class MaskSpec:
     alibi: Tensor | None = None
     bias: Tensor | None = None
     q_offset: int | Tensor = 0
+    global_keys: int = 0
     built: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
 

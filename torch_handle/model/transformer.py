@@ -78,7 +78,7 @@ class Transformer(nn.Module):
             self.register_buffer("logits_bias", torch.zeros(config.tgt_vocab_size))
         if config.position == "learned":
             self.src_pos = nn.Embedding(config.position_offset + config.max_len, d)
-            self.tgt_pos = nn.Embedding(config.position_offset + config.max_len, d)
+            self.tgt_pos = nn.Embedding(config.position_offset + (config.target_length or config.max_len), d)
         if config.position == "sinusoidal":
             table = sinusoidal_table(config.max_len, d, config.sinusoid_layout)
             self.register_buffer("pe", table, persistent=False)
@@ -119,17 +119,21 @@ class Transformer(nn.Module):
         table: nn.Embedding | None,
         offset: int | Tensor,
         norm: nn.LayerNorm | None,
+        limit: tuple[str, int | None],
     ) -> Tensor:
+        """``limit``: the config field that bounds this stack's positions, and its value (``max_len`` or
+        ``max_target_len``)."""
         c = self.config
         x = embed(tokens)  # (B, T, C)
         if c.scale_embeddings:
             x = x * math.sqrt(c.d_model)
         if c.position in ("sinusoidal", "learned"):
             end = offset + tokens.shape[1] if isinstance(offset, int) else 0  # a static cache checked at creation
-            if end > c.max_len:
+            name, most = limit
+            if most is not None and end > most:
                 raise ValueError(
-                    f"a sequence of {end} tokens exceeds max_len={c.max_len} of position={c.position!r}: "
-                    "raise max_len or use position='rope' or 'alibi'"
+                    f"a sequence of {end} tokens exceeds {name}={most} of position={c.position!r}: "
+                    f"raise {name} or use position='rope' or 'alibi'"
                 )
             positions = torch.arange(tokens.shape[1], device=tokens.device) + offset
             if table is not None:
@@ -197,19 +201,33 @@ class Transformer(nn.Module):
     def embed_source(self, src: Tensor, offset: int = 0) -> Tensor:
         """Scaled source embeddings plus absolute positions, after dropout: the first encoder layer's input."""
         return self._embed(
-            src, self.src_embed, getattr(self, "src_pos", None), offset, getattr(self, "src_embed_norm", None)
+            src,
+            self.src_embed,
+            getattr(self, "src_pos", None),
+            offset,
+            getattr(self, "src_embed_norm", None),
+            ("max_len", self.config.max_len),
         )
 
     def embed_target(self, tgt: Tensor, offset: int | Tensor = 0) -> Tensor:
         """Scaled target embeddings plus absolute positions, after dropout: the first decoder layer's input."""
         return self._embed(
-            tgt, self.tgt_embed, getattr(self, "tgt_pos", None), offset, getattr(self, "tgt_embed_norm", None)
+            tgt,
+            self.tgt_embed,
+            getattr(self, "tgt_pos", None),
+            offset,
+            getattr(self, "tgt_embed_norm", None),
+            self._target_limit(),
         )
+
+    def _target_limit(self) -> tuple[str, int | None]:
+        """The config field that bounds the decoder's positions, and its value (None: unbounded)."""
+        return ("max_target_len" if self.config.max_target_len else "max_len", self.config.target_length)
 
     def encoder_context(self, src: Tensor, offset: int = 0, halo_padding: Tensor | None = None) -> EncoderContext:
         """What every encoder layer needs besides its input: the mask and the RoPE angles (see :meth:`encode`)."""
         c = self.config
-        window = c.window if c.encoder_attention == "local" else None
+        window = None if c.encoder_attention == "full" else c.window
         pad, rows = _tokens(src == c.pad_id)
         if halo_padding is None:
             spec = MaskSpec(
@@ -217,6 +235,7 @@ class Transformer(nn.Module):
                 window=window,
                 alibi=self._slopes,
                 bias=self._relative(True, src.shape[1], src.shape[1]),
+                global_keys=min(c.global_tokens, src.shape[1]) if c.encoder_attention == "longformer" else 0,
             )
         else:
             assert window is not None, "halos exist under local attention only"
@@ -290,10 +309,11 @@ class Transformer(nn.Module):
         if memory_padding is None:
             return DecoderCache(len(self.decoder_layers), capacity)
         c = self.config
-        if c.position in ("sinusoidal", "learned") and capacity > c.max_len:
+        name, most = self._target_limit()
+        if most is not None and capacity > most:
             raise ValueError(
-                f"a cache of {capacity} positions exceeds max_len={c.max_len} of position={c.position!r}: "
-                "decode fewer tokens or raise max_len"
+                f"a cache of {capacity} positions exceeds {name}={most} of position={c.position!r}: "
+                f"decode fewer tokens or raise {name}"
             )
         device = self.tgt_embed.weight.device
         cache = DecoderCache(len(self.decoder_layers), capacity, torch.zeros(1, dtype=torch.long, device=device))

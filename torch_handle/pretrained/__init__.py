@@ -2,7 +2,7 @@
 ``save_pretrained`` wrote becomes a model, its tokenizer and its decoding defaults, without ``transformers``.
 
 Each family is a function from ``config.json`` and ``generation_config.json`` to a ``TransformerConfig``; the tensors
-of BART, Marian and PEGASUS share one layout (:mod:`torch_handle.pretrained.layout`), T5's have their own
+of BART, Marian, PEGASUS and LED share one layout (:mod:`torch_handle.pretrained.layout`), T5's have their own
 (:mod:`torch_handle.pretrained.t5`).
 """
 
@@ -18,7 +18,7 @@ from torch_handle.data.tokenizer import Specials, Tokenizer, pretrained_tokenize
 from torch_handle.export import Decoding, meta_shell
 from torch_handle.model import Transformer
 from torch_handle.model.config import ConfigError, TransformerConfig
-from torch_handle.pretrained import bart, marian, t5
+from torch_handle.pretrained import bart, led, marian, t5
 from torch_handle.pretrained.layout import fill
 from torch_handle.pretrained.reader import (
     CONFIG,
@@ -36,6 +36,7 @@ __all__ = ["FAMILIES", "fill", "is_pretrained_folder", "load_pretrained", "pretr
 FAMILIES: dict[str, Callable[[dict[str, Any], dict[str, Any]], TransformerConfig]] = {
     "bart": bart.config,
     "mbart": bart.config,
+    "led": led.config,
     "marian": marian.config,
     "pegasus": marian.config,
     "t5": t5.config,
@@ -71,7 +72,7 @@ def pretrained_config(folder: Path) -> tuple[TransformerConfig, Decoding, dict[s
         task=_TASKS.get(hf["model_type"], "summarization"),
         max_source_tokens=config.max_len,
         num_beams=given.get("num_beams", 1),
-        max_new_tokens=min(max_length, config.max_len) - 1,
+        max_new_tokens=min(max_length, config.target_length or config.max_len) - 1,
         length_penalty=given.get("length_penalty", 1.0),
         **generation_controls(given),
     )

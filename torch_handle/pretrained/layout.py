@@ -1,5 +1,6 @@
-"""The tensor layout that BART, mBART, Marian and PEGASUS share in ``transformers``, mapped onto ours (T5's is
-:mod:`torch_handle.pretrained.t5`, which :func:`target` and :func:`hf_names` defer to).
+"""The tensor layout that BART, mBART, Marian, PEGASUS and LED share in ``transformers``, mapped onto ours (T5's is
+:mod:`torch_handle.pretrained.t5`, which :func:`target` and :func:`hf_names` defer to). LED's names start ``led.``
+where the others' start ``model.``, and its encoder's self-attention holds Longformer's projections.
 
 Each Hugging Face tensor lands in one of our parameters (query, key and value in rows of the packed ``in_proj``),
 one tensor at a time; a shape that does not fit is one line naming the tensor, and so is a parameter left unfilled.
@@ -22,8 +23,14 @@ from torch_handle.pretrained import t5
 _ACTIVATIONS = {"gelu": "gelu", "relu": "relu", "swish": "silu", "silu": "silu"}
 _LAYER = re.compile(r"(encoder|decoder)\.layers\.(\d+)\.(.+)\.(weight|bias)")
 _QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
+_LONGFORMER = "self_attn.longformer_self_attn."  # LED's encoder self-attention: the local and the global projections
+_LONGFORMER_QKV = {"query": 0, "key": 1, "value": 2}
 _BLOCKS = {
-    "encoder": {"self_attn_layer_norm": "attn_block.norm", "self_attn.out_proj": "self_attn.out_proj"},
+    "encoder": {
+        "self_attn_layer_norm": "attn_block.norm",
+        "self_attn.out_proj": "self_attn.out_proj",
+        "self_attn.output": "self_attn.out_proj",  # LED's
+    },
     "decoder": {
         "self_attn_layer_norm": "self_block.norm",
         "self_attn.out_proj": "self_attn.out_proj",
@@ -77,12 +84,17 @@ def target(name: str, model: Transformer) -> tuple[str, slice | None] | None:
     """Our parameter (and its rows) for the Hugging Face tensor ``name``; None for one we compute (a sinusoid)."""
     if model.config.position == "relative":
         return t5.target(name, model)
-    name = name.removeprefix("model.")
+    name = name.removeprefix("led." if model.config.encoder_attention == "longformer" else "model.")
     d = model.config.d_model
     match = _LAYER.fullmatch(name)
     if match:
         stack, index, module, kind = match.groups()
         ours = f"{stack}_layers.{index}."
+        if stack == "encoder" and module.startswith(_LONGFORMER):
+            proj = module.removeprefix(_LONGFORMER)
+            packed = "global_proj" if proj.endswith("_global") else "in_proj"
+            i = _LONGFORMER_QKV.get(proj.removesuffix("_global"))
+            return (name, None) if i is None else (f"{ours}self_attn.{packed}.{kind}", slice(i * d, i * d + d))
         attn, _, proj = module.rpartition(".")
         if proj in _QKV and attn in ("self_attn", "encoder_attn"):
             i = _QKV[proj]
@@ -110,14 +122,19 @@ def hf_names(config: TransformerConfig) -> list[str]:
     if config.position == "relative":
         return t5.hf_names(config)
     pairs = ("weight", "bias")
-    names = ["model.shared.weight", "final_logits_bias", *([] if config.tie_embeddings else ["lm_head.weight"])]
+    top = "led" if config.encoder_attention == "longformer" else "model"
+    names = [f"{top}.shared.weight", "final_logits_bias", *([] if config.tie_embeddings else ["lm_head.weight"])]
     attention = [f"{p}_proj.{k}" for p in ("q", "k", "v", "out") for k in pairs]
+    longformer = [f"{_LONGFORMER}{p}{g}.{k}" for g in ("", "_global") for p in _LONGFORMER_QKV for k in pairs]
+    longformer += [f"self_attn.output.{k}" for k in pairs]
     for stack, layers in (("encoder", config.num_encoder_layers), ("decoder", config.num_decoder_layers)):
-        prefix = f"model.{stack}."
+        prefix = f"{top}.{stack}."
         names += [prefix + "embed_positions.weight"] if config.position == "learned" else []
         names += [f"{prefix}layernorm_embedding.{k}" for k in pairs] if config.layernorm_embedding else []
         names += [f"{prefix}layer_norm.{k}" for k in pairs] if config.final_norm else []
-        modules = [f"self_attn.{a}" for a in attention] + [f"{m}.{k}" for m in _FF for k in pairs]
+        local = top == "led" and stack == "encoder"
+        modules = longformer if local else [f"self_attn.{a}" for a in attention]
+        modules += [f"{m}.{k}" for m in _FF for k in pairs]
         modules += [f"self_attn_layer_norm.{k}" for k in pairs]
         if stack == "decoder":
             modules += [f"encoder_attn.{a}" for a in attention] + [f"encoder_attn_layer_norm.{k}" for k in pairs]
@@ -128,7 +145,8 @@ def hf_names(config: TransformerConfig) -> list[str]:
 def fill(model: Transformer, tensors: Iterable[tuple[str, Tensor]], where: str) -> None:
     """Copy the Hugging Face ``tensors`` into ``model``'s parameters, checking each shape and that all are filled."""
     state = model.state_dict(keep_vars=True)
-    parts = {id(t): 3 if ".in_proj." in n else 1 for n, t in state.items()}  # tied parameters counted once
+    packed = (".in_proj.", ".global_proj.")  # query, key and value: three tensors each
+    parts = {id(t): 3 if any(p in n for p in packed) else 1 for n, t in state.items()}  # tied ones counted once
     filled: dict[int, set[int]] = {}
     with torch.no_grad():
         for name, tensor in tensors:

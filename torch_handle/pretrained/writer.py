@@ -18,29 +18,32 @@ from torch_handle.data.tokenizer import Tokenizer
 from torch_handle.export import Decoding
 from torch_handle.model import Transformer, TransformerConfig
 from torch_handle.model.config import WITHOUT_T5
-from torch_handle.pretrained import t5
+from torch_handle.pretrained import led, t5
 from torch_handle.pretrained.layout import hf_names, target
 
 # What each family fixes; a model that differs from every family gets the nearest one's first difference named.
+_FULL = {"encoder_attention": "full", "max_target_len": None}  # every family but LED
 _FAMILIES: dict[str, dict[str, Any]] = {
-    "bart": {"position": "learned", "position_offset": 2, "layernorm_embedding": True, "norm_first": False},
-    "mbart": {"position": "learned", "position_offset": 2, "layernorm_embedding": True, "norm_first": True},
+    "bart": {**_FULL, "position": "learned", "position_offset": 2, "layernorm_embedding": True, "norm_first": False},
+    "mbart": {**_FULL, "position": "learned", "position_offset": 2, "layernorm_embedding": True, "norm_first": True},
     "marian": {
+        **_FULL,
         "position": "sinusoidal",
         "sinusoid_layout": "halves",
         "layernorm_embedding": False,
         "norm_first": False,
     },
     "pegasus": {
+        **_FULL,
         "position": "sinusoidal",
         "sinusoid_layout": "halves",
         "layernorm_embedding": False,
         "norm_first": True,
     },
+    "led": led.FIXED,
 }
 _COMMON = {
     "final_logits_bias": True,
-    "encoder_attention": "full",
     "cross_downsample": 1,
     "layer_norm_eps": 1e-5,
     **WITHOUT_T5,
@@ -51,6 +54,7 @@ _ARCHITECTURES = {
     "mbart": "MBartForConditionalGeneration",
     "marian": "MarianMTModel",
     "pegasus": "PegasusForConditionalGeneration",
+    "led": "LEDForConditionalGeneration",
 }
 
 
@@ -81,7 +85,7 @@ def _config_json(config: TransformerConfig, family: str) -> dict[str, Any]:
     if family == "t5":
         return t5.config_json(config)
     learned = config.position == "learned"
-    return {
+    fields = {
         "model_type": family,
         "architectures": [_ARCHITECTURES[family]],
         "vocab_size": config.src_vocab_size,
@@ -109,6 +113,7 @@ def _config_json(config: TransformerConfig, family: str) -> dict[str, Any]:
         "is_encoder_decoder": True,
         **({"bos_token_id": config.forced_bos_id} if learned and config.forced_bos_id is not None else {}),
     }
+    return led.config_json(fields, config) if family == "led" else fields
 
 
 def _generation_json(config: TransformerConfig, decoding: Decoding) -> dict[str, Any]:
