@@ -2,6 +2,7 @@
 
     python benchmarks/bench_streaming.py --data ../shared/data/multi30k            # both paths, interleaved
     python benchmarks/bench_streaming.py --data DIR --steps 3 --repeats 1          # a quick check
+    python benchmarks/bench_streaming.py --repeats 4 --threads 1                   # steadier on a shared machine
 
 ``prepare tokens`` writes the training split once; then each path runs, in a child process of its own and in turn
 (``--repeats`` times), the shipped ``multi30k`` recipe (``torch-handle fit --config multi30k``) for ``--steps``
@@ -76,8 +77,10 @@ class StepClock(L.Callback):
         print(json.dumps({**result, "peak_rss": peak_rss_bytes(), "threads": torch.get_num_threads()}))
 
 
-def child(mode: str, path: str, data: str, tokens: str, steps: int, warmup: int, run: str) -> None:
+def child(mode: str, path: str, data: str, tokens: str, steps: int, warmup: int, run: str, threads: int) -> None:
     pretokenized = path == PATHS[1]
+    if threads:
+        torch.set_num_threads(threads)
     if mode == "loader":
         dm = _module(data, tokens, pretokenized)
         dm.setup("fit")
@@ -104,12 +107,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the timing")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each path, interleaved")
+    parser.add_argument("--threads", type=int, default=0, help="intra-op threads of each run (0: torch's default)")
     parser.add_argument("--child", nargs=2, metavar=("MODE", "PATH"), help=argparse.SUPPRESS)
     parser.add_argument("--tokens", help=argparse.SUPPRESS)
     parser.add_argument("--run", help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.child:
-        child(*options.child, options.data, options.tokens, options.steps, options.warmup, options.run)
+        child(*options.child, options.data, options.tokens, options.steps, options.warmup, options.run, options.threads)
         return
     with tempfile.TemporaryDirectory() as work:
         tokens = f"{work}/tokens"  # the recipe's tokenizer, trained on the training split as fit trains it
@@ -118,7 +122,7 @@ def main() -> None:
             [str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")]
         )
         common = ["--data", options.data, "--tokens", tokens, "--steps", str(options.steps)]
-        common += ["--warmup", str(options.warmup)]
+        common += ["--warmup", str(options.warmup), "--threads", str(options.threads)]
         results: dict[tuple[str, str], list[dict]] = {}
         for repeat in range(options.repeats):
             for mode in ("fit", "loader"):
@@ -147,6 +151,9 @@ def main() -> None:
     ratios = {
         key: median("fit", PATHS[1], key) / median("fit", PATHS[0], key) for key in ("tokens_per_s", "tokens_per_cpu_s")
     }
+    for key in ("tokens_per_s", "tokens_per_cpu_s"):  # each run against the in-memory run just before it
+        pairs = [p[key] / m[key] for m, p in zip(results[("fit", PATHS[0])], results[("fit", PATHS[1])], strict=True)]
+        print(f"{key} ratio of each pair: {', '.join(f'{r:.3f}' for r in pairs)}")
     print(
         f"pretokenized / in memory: tokens/s {ratios['tokens_per_s']:.3f}, "
         f"tokens/CPU-s {ratios['tokens_per_cpu_s']:.3f} "
