@@ -563,6 +563,18 @@ def test_length_limits_follow_the_model_context() -> None:
     model(batch["src"], batch["tgt"][:, :-1])  # the positions table would raise for a longer batch
 
 
+def test_target_limits_follow_a_shorter_decoder_table() -> None:
+    """LED's decoder reads fewer positions than its encoder: targets are lowered to the decoder's table alone."""
+    dm = TranslationDataModule(demo_size=300, bpe_vocab_size=300, max_source_tokens=64, max_target_tokens=64)
+    with pytest.warns(
+        UserWarning,
+        match=r"max_len=128, max_target_len=16 positions: lowered --data.max_target_tokens="
+        r"64 to 17; raise",
+    ):
+        dm.fit_context(128, 16)
+    assert (dm.collator.max_source_tokens, dm.collator.max_target_tokens) == (64, 17)
+
+
 def test_a_file_with_nul_bytes_is_read_with_one_warning(tmp_path: Path) -> None:
     path = tmp_path / "in.txt"
     path.write_bytes(b"the dog sees a cat\n\0\0\0\0\n")
