@@ -1,5 +1,5 @@
-"""Denoising pretraining: BART's noise and its statistics, noise as a function of (seed, epoch, index), and a
-pretraining run that a fine-tuning run starts from through the CLI."""
+"""Denoising pretraining: BART's noise and its statistics, noise as a function of (seed, epoch, index). That a
+fine-tuning run starts from a pretraining run through the CLI: tests/test_recipe_summarization.py."""
 
 from __future__ import annotations
 
@@ -10,15 +10,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from torch_handle.cli import main
 from torch_handle.data.batching import BatchIndices
-from torch_handle.data.denoising import denoising_source, infill, noise_generator, permute_sentences, span_lengths
+from torch_handle.data.denoising import (
+    Noise,
+    denoising_source,
+    infill,
+    noise_generator,
+    permute_sentences,
+    span_lengths,
+)
 from torch_handle.data.pretrain import DenoisingDataModule, EpochBatchSampler
 from torch_handle.data.tokenizer import MASK_TOKEN, Tokenizer
 from torch_handle.errors import DataError
-from torch_handle.module import Seq2SeqModule
 
-ROOT = Path(__file__).resolve().parents[1]
 MASK = -1  # outside every id of the texts below
 
 
@@ -40,6 +44,51 @@ def test_infill_masks_thirty_percent_in_poisson_spans_each_one_mask() -> None:
                 assert between and all(token == MASK for token in between), (a, b, between)
     assert masked == samples * math.ceil(0.3 * n)  # exactly 30% of the tokens, every time
     assert masked / spans == pytest.approx(3.0, abs=0.15)  # spans of Poisson(3) length, one mask each
+
+
+def test_mask_random_replaces_that_share_of_spans_and_keeps_the_layout() -> None:
+    n, samples, random_ids = 200, 300, range(1000, 1100)  # random tokens outside the text's ids and MASK
+    spans = randoms = 0
+    for index in range(samples):
+        ids = list(range(n))
+        out = infill(ids, MASK, noise_generator(0, 0, index), mask_random=0.1, random_ids=random_ids)
+        plain = infill(ids, MASK, noise_generator(0, 0, index))
+        assert [MASK if token >= 1000 else token for token in out] == plain  # the same spans, some filled at random
+        randoms += sum(token >= 1000 for token in out)
+        spans += sum(token == MASK or token >= 1000 for token in out)
+    assert randoms / spans == pytest.approx(0.1, abs=0.01)
+    assert len({token for token in out if token >= 1000}) > 1
+
+
+def test_whole_word_spans_start_and_end_on_word_boundaries() -> None:
+    n, samples = 200, 300
+    masked_words = spans = 0
+    for index in range(samples):
+        generator = torch.Generator().manual_seed(index)
+        starts = [True, *(torch.rand(n - 1, generator=generator) < 0.4).tolist()]  # words of 1 to many tokens
+        words = sum(starts)
+        ids = list(range(n))
+        out = infill(ids, MASK, noise_generator(0, 0, index), word_starts=starts)
+        kept = [token for token in out if token != MASK]
+        assert kept == sorted(kept)
+        spans += len(out) - len(kept)
+        for a, b in zip([-1, *kept], [*kept, n], strict=True):
+            if b - a > 1:  # a masked stretch: it starts a word, and the next kept token (or the end) starts one
+                assert starts[a + 1] and (b == n or starts[b]), (a, b)
+                masked_words += sum(starts[a + 1 : b])
+        assert sum(starts[token] for token in kept) == words - math.ceil(0.3 * words)  # 30% of the words
+    assert masked_words / spans == pytest.approx(3.0, abs=0.15)  # Poisson(3) spans, counted in words
+
+
+def test_word_starts_follow_the_tokenizers_pieces() -> None:
+    tokenizer = Tokenizer.train(["the quick brownish foxes jumped over lazy dogs.\nAgain!"] * 5, 300).with_mask()
+    starts = tokenizer.word_starts()
+    ids = tokenizer.encode("the quick brownish foxes jumped.\nAgain!")
+    bounds = [i for i, token in enumerate(ids) if starts[token] or i == 0]
+    words = [tokenizer.decode(ids[a:b]) for a, b in zip(bounds, [*bounds[1:], len(ids)], strict=True)]
+    assert words == ["the", " quick", " brownish", " foxes", " jumped.", "\nAgain!"]
+    assert starts[tokenizer.mask_id] and tokenizer.mask_id not in tokenizer.ordinary_ids()
+    assert set(tokenizer.ordinary_ids()) == set(range(4, tokenizer.mask_id))
 
 
 def test_span_lengths_are_poisson_and_cover_exactly() -> None:
@@ -73,7 +122,7 @@ def test_noise_is_a_function_of_seed_epoch_and_index() -> None:
     ids, ends = list(range(100)), [25, 50, 100]
 
     def noised(seed: int, epoch: int, index: int) -> list[int]:
-        return denoising_source(ids, ends, MASK, noise_generator(seed, epoch, index))
+        return denoising_source(ids, ends, Noise(MASK), noise_generator(seed, epoch, index))
 
     assert noised(0, 1, 2) == noised(0, 1, 2)
     assert len({tuple(noised(*triple)) for triple in [(0, 1, 2), (1, 1, 2), (0, 2, 2), (0, 1, 3), (0, 2, 1)]}) == 5
@@ -135,44 +184,15 @@ def test_datamodule_noises_each_epoch_anew_and_validation_alike(tmp_path: Path) 
     assert [e.src_ids for e in train.__getitems__(rest[-1])] == [e.src_ids for e in train.__getitems__(batches[-1])]
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_fine_tuning_starts_from_a_pretraining_run(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shared_data: Path
-) -> None:
-    # fit --config pretrain, then fit --config summarization --model.init_from that run: the fine-tuning run's first
-    # weights are the pretraining run's last, and it reads the pretraining tokenizer, <mask> included.
-    squality = tmp_path / "data" / "squality"
-    squality.mkdir(parents=True)
-    for split in ("train_plot", "dev_plot"):
-        rows = [json.loads(line) for line in (shared_data / "squality" / f"{split}.jsonl").open()][:3]
-        rows = [{**row, "document": row["document"][:3000], "summary": row["summary"][:500]} for row in rows]
-        (squality / f"{split}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
-    monkeypatch.chdir(tmp_path)
-    small = [
-        "--model.transformer.d_model=32", "--model.transformer.num_heads=2", "--model.transformer.d_ff=64",
-        "--model.transformer.num_encoder_layers=1", "--model.transformer.num_decoder_layers=1",
-        "--trainer.max_steps=2", "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false",
-        "--data.init_args.max_tokens=2048", "--model.generate_every_n_val_epochs=0",
-    ]  # fmt: skip
-    main(["fit", "--config=pretrain", "--data.init_args.bpe_vocab_size=400", "--trainer.default_root_dir=pre", *small])
-    pretrained = torch.load(tmp_path / "pre" / "checkpoints" / "last.ckpt", weights_only=True)
-    first: dict[str, torch.Tensor] = {}
-    start = Seq2SeqModule.on_train_start
-
-    def record(module: Seq2SeqModule) -> None:
-        first.update({name: value.detach().clone() for name, value in module.state_dict().items()})
-        start(module)
-
-    monkeypatch.setattr(Seq2SeqModule, "on_train_start", record)
-    main(["fit", "--config=summarization", "--model.init_from=pre", "--trainer.default_root_dir=fine", *small])
-    weights = {name: value for name, value in pretrained["state_dict"].items() if name.startswith("model.")}
-    assert weights and weights.keys() <= first.keys()
-    for name, value in weights.items():
-        torch.testing.assert_close(first[name], value, rtol=0, atol=0, msg=name)
-    tuned = torch.load(tmp_path / "fine" / "checkpoints" / "last.ckpt", weights_only=True)
-    assert tuned["hyper_parameters"]["init_from"] is None
-    assert Tokenizer.from_str(tuned["SummarizationDataModule"]["tokenizer"]).mask_id is not None
+def test_datamodule_takes_the_random_and_whole_word_options(tmp_path: Path) -> None:
+    text = str(_text(tmp_path / "a.txt"))
+    data = DenoisingDataModule([text], mask_random=0.5, whole_words=True, bpe_vocab_size=300)
+    noise = data.dataset("train").noise
+    assert noise.word_starts == data.tokenizer.word_starts() and noise.mask_random == 0.5
+    assert noise.random_ids == tuple(data.tokenizer.ordinary_ids())
+    assert DenoisingDataModule([text], bpe_vocab_size=300).dataset("train").noise == Noise(data.tokenizer.mask_id)
+    with pytest.raises(DataError, match=r"^--data.mask_random must be in \[0, 1\], got 1.5$"):
+        DenoisingDataModule([text], mask_random=1.5)
 
 
 def test_prepare_tokens_refuses_the_pretraining_config(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from typing_extensions import override
 
 from torch_handle.data.base import Seq2SeqDataModule, Split, TextSplit
 from torch_handle.data.batching import Example, ExampleDataset, TokenBudgetBatchSampler
-from torch_handle.data.denoising import denoising_source, noise_generator
+from torch_handle.data.denoising import Noise, denoising_source, noise_generator
 from torch_handle.data.io import read_jsonl, read_text
 from torch_handle.data.tokenizer import Tokenizer
 from torch_handle.errors import DataError
@@ -22,16 +22,6 @@ from torch_handle.errors import DataError
 _SENTENCE_END = re.compile(r"(?<=[.!?])(?=\s)|(?=\n)")
 """Where a sentence ends: after ``.``, ``!`` or ``?`` before white space, and before a line break. The white space
 goes with the next sentence, where byte-level BPE puts it, so a block's ids are its sentences' ids in a row."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Noise:
-    """BART's noise settings (see :func:`~torch_handle.data.denoising.denoising_source`)."""
-
-    mask_id: int
-    mask_ratio: float
-    poisson_lambda: float
-    permute_sentences: bool
 
 
 class EpochBatchSampler(TokenBudgetBatchSampler):
@@ -82,16 +72,8 @@ class NoisingDataset(ExampleDataset):
         :class:`TokenBudgetBatchSampler`) draws as the example it repeats."""
         index %= len(self.examples)
         assert example.tgt_ids is not None
-        noise = self.noise
-        source = denoising_source(
-            example.tgt_ids,
-            self.sentence_ends[index],
-            noise.mask_id,
-            noise_generator(self.seed, epoch, index),
-            noise.mask_ratio,
-            noise.poisson_lambda,
-            noise.permute_sentences,
-        )
+        generator = noise_generator(self.seed, epoch, index)
+        source = denoising_source(example.tgt_ids, self.sentence_ends[index], self.noise, generator)
         return dataclasses.replace(example, src_ids=source)
 
 
@@ -113,6 +95,8 @@ class DenoisingDataModule(Seq2SeqDataModule):
         mask_ratio: float = 0.3,
         poisson_lambda: float = 3.0,
         permute_sentences: bool = True,
+        mask_random: float = 0.0,
+        whole_words: bool = False,
         tokenizer_path: str | None = None,
         bpe_vocab_size: int = 8000,
         max_tokens: int = 16384,
@@ -134,6 +118,11 @@ class DenoisingDataModule(Seq2SeqDataModule):
             mask_ratio: The share of each block's tokens masked (BART: 0.3).
             poisson_lambda: The mean length of a masked span (BART: 3).
             permute_sentences: Shuffle each block's sentences before masking (BART: on).
+            mask_random: The share of masked spans that become a random token instead of ``<mask>`` (fairseq's
+                ``--mask-random``; its default, 0, leaves every span a ``<mask>``).
+            whole_words: Mask whole words: spans start and end where the tokenizer's pieces start words, and
+                ``mask_ratio`` and ``poisson_lambda`` count words, as fairseq does for any ``--mask-length`` but
+                ``subword`` (its default), BART's ``span-poisson`` included; off: tokens.
             tokenizer_path: A saved ``tokenizer.json`` or a Hugging Face model folder; None trains a BPE on the text.
             bpe_vocab_size: Vocabulary size to train for, special and byte tokens included.
             max_tokens: Padded tokens per batch (batch size x longest block).
@@ -160,11 +149,15 @@ class DenoisingDataModule(Seq2SeqDataModule):
             raise DataError(f"--data.mask_ratio must be in (0, 1), got {mask_ratio}")
         if poisson_lambda <= 0:
             raise DataError(f"--data.poisson_lambda must be > 0, got {poisson_lambda}")
+        if not 0 <= mask_random <= 1:
+            raise DataError(f"--data.mask_random must be in [0, 1], got {mask_random}")
         self.files: dict[Split, list[str] | None] = {"train": train_files, "val": val_files}
         self.fields = ["document", "summary"] if fields is None else fields
         self.mask_ratio = mask_ratio
         self.poisson_lambda = poisson_lambda
         self.permute_sentences = permute_sentences
+        self.mask_random = mask_random
+        self.whole_words = whole_words
 
     @override
     def read_split(self, split: Split) -> TextSplit | None:
@@ -223,7 +216,15 @@ class DenoisingDataModule(Seq2SeqDataModule):
         examples = [Example(block, text, block, text) for (block, _), text in zip(blocks, texts, strict=True)]
         mask_id = self.tokenizer.mask_id
         assert mask_id is not None  # _use added it
-        noise = Noise(mask_id, self.mask_ratio, self.poisson_lambda, self.permute_sentences)
+        noise = Noise(
+            mask_id,
+            self.mask_ratio,
+            self.poisson_lambda,
+            self.permute_sentences,
+            self.mask_random,
+            tuple(self.tokenizer.ordinary_ids()) if self.mask_random else (),
+            self.tokenizer.word_starts() if self.whole_words else None,
+        )
         return NoisingDataset(examples, [ends for _, ends in blocks], noise, self.seed, None if split == "train" else 0)
 
 

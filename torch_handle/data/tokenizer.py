@@ -19,6 +19,9 @@ PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
 _WRAPPED = '{"torch_handle_specials"'  # how to_str marks a pretrained tokenizer's JSON
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")  # in id order
 MASK_TOKEN = "<mask>"  # denoising pretraining's (BART's name): added after the last id, so no id moves
+_WORD_START_MARKS = frozenset("\u2581" + "".join(chr(256 + byte) for byte in b"\t\n\v\f\r "))
+"""A piece's first character when it starts with white space: SentencePiece's ``▁``, and byte-level BPE's stand-ins
+for the white-space bytes (GPT-2's byte-to-unicode table maps bytes 0-32 to ``chr(256 + byte)``: ``Ġ`` for a space)."""
 MAX_TOKEN_ID = 2**24 - 1  # far above any real vocabulary, far below an id whose table would exhaust memory
 
 
@@ -179,6 +182,26 @@ class Tokenizer:
     def mask_id(self) -> int | None:
         """The id of :data:`MASK_TOKEN`; None without one (see :meth:`with_mask`)."""
         return self._backend.token_to_id(MASK_TOKEN)
+
+    def word_starts(self) -> tuple[bool, ...]:
+        """Whether each id's piece starts a word (whole-word masking): a byte-level or SentencePiece piece that starts
+        with white space (``Ġ``, ``Ċ``, ``▁``), a WordPiece piece without its ``##``, and every special token, as
+        fairseq's ``get_whole_word_mask`` reads them (which, for GPT-2's pieces, counts a leading space only)."""
+        prefix = getattr(self._backend.model, "continuing_subword_prefix", None)
+        added = self._backend.get_added_tokens_decoder()
+
+        def starts(id_: int) -> bool:
+            piece = self._backend.id_to_token(id_)
+            if id_ in added or not piece:
+                return True
+            return not piece.startswith(prefix) if prefix else piece[0] in _WORD_START_MARKS
+
+        return tuple(starts(id_) for id_ in range(self.vocab_size))
+
+    def ordinary_ids(self) -> list[int]:
+        """The ids of every piece but the special and added tokens: what a random replacement is drawn from."""
+        added = self._backend.get_added_tokens_decoder()
+        return [id_ for id_ in range(self.vocab_size) if id_ not in added and self._backend.id_to_token(id_)]
 
     @property
     def vocab_size(self) -> int:
