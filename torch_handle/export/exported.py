@@ -136,6 +136,16 @@ def meta_shell(config: TransformerConfig) -> Transformer:
         return Transformer(config)
 
 
+def empty_model(config: TransformerConfig) -> Transformer:
+    """The Transformer of ``config`` with its memory allocated but never written (no initialization): pages become
+    resident only as weights are copied in, so filling it from a file never holds a second, random copy."""
+    model = meta_shell(config)
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    model.init_buffers()
+    return model
+
+
 def mismatches(shell: Transformer, shapes: dict[str, tuple[int, ...]]) -> str:
     """How the tensor ``shapes`` of a file differ from the ``state_dict`` of ``shell`` ("" if they do not)."""
     expected = {name: tuple(t.shape) for name, t in shell.state_dict().items()}

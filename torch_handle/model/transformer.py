@@ -72,18 +72,13 @@ class Transformer(nn.Module):
         share_src = config.shares_source_embedding
         self.src_embed = self.tgt_embed if share_src else nn.Embedding(config.src_vocab_size, d)
         self.lm_head = nn.Linear(d, config.tgt_vocab_size, bias=False)
-        if config.tie_embeddings:
-            self.lm_head.weight = self.tgt_embed.weight
+        self.tie_weights()
         if config.final_logits_bias:  # a buffer, as in BART and Marian: fine-tuning leaves it as imported
             self.register_buffer("logits_bias", torch.zeros(config.tgt_vocab_size))
         if config.position == "learned":
             self.src_pos = nn.Embedding(config.position_offset + config.max_len, d)
             self.tgt_pos = nn.Embedding(config.position_offset + (config.target_length or config.max_len), d)
-        if config.position == "sinusoidal":
-            table = sinusoidal_table(config.max_len, d, config.sinusoid_layout)
-            self.register_buffer("pe", table, persistent=False)
-        if config.position == "alibi":
-            self.register_buffer("slopes", alibi_slopes(config.num_heads), persistent=False)
+        self.init_buffers()
         if config.position == "relative":  # T5: a bias per head and distance bucket, one table per stack
             self.src_relative = nn.Embedding(config.relative_buckets, config.num_heads)
             self.tgt_relative = nn.Embedding(config.relative_buckets, config.num_heads)
@@ -98,6 +93,20 @@ class Transformer(nn.Module):
         self.encoder_norm = make_norm(config) if config.final_norm else nn.Identity()
         self.decoder_norm = make_norm(config) if config.final_norm else nn.Identity()
         self.reset_parameters()
+
+    def tie_weights(self) -> None:
+        """Ties the output projection to the target embedding when the config says so (again after ``to_empty``,
+        which unties)."""
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.tgt_embed.weight
+
+    def init_buffers(self) -> None:
+        """(Re)computes the tables that are functions of the config, not weights (also after ``to_empty``)."""
+        c = self.config
+        if c.position == "sinusoidal":
+            self.register_buffer("pe", sinusoidal_table(c.max_len, c.d_model, c.sinusoid_layout), persistent=False)
+        if c.position == "alibi":
+            self.register_buffer("slopes", alibi_slopes(c.num_heads), persistent=False)
 
     def reset_parameters(self) -> None:
         """Xavier-uniform matrices as torch.nn.Transformer; embeddings N(0, 1/d) since they are scaled by sqrt(d)."""

@@ -15,7 +15,7 @@ from typing import Any
 
 from torch_handle.checkpoints import CheckpointError
 from torch_handle.data.tokenizer import Specials, Tokenizer, pretrained_tokenizer, read_tokenizer
-from torch_handle.export import Decoding, meta_shell
+from torch_handle.export import Decoding, empty_model, meta_shell
 from torch_handle.model import Transformer
 from torch_handle.model.config import ConfigError, TransformerConfig
 from torch_handle.pretrained import bart, led, marian, t5
@@ -123,6 +123,6 @@ def load_pretrained(folder: str | Path, attention_backend: str = "auto") -> tupl
     folder = Path(folder)
     config, decoding, _ = pretrained_config(folder)
     tokenizer = read_tokenizer(folder, Specials(config.pad_id, config.bos_id, config.eos_id))
-    model = Transformer(dataclasses.replace(config, attention_backend=attention_backend))
+    model = empty_model(dataclasses.replace(config, attention_backend=attention_backend))
     fill(model, read_weights(folder), str(folder))
     return model, tokenizer, decoding

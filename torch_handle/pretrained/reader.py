@@ -8,6 +8,7 @@ weights-only unpickler, which rebuilds tensors and nothing that runs code.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -117,12 +118,18 @@ def _load_bin(file: Path) -> dict[str, Tensor]:
 
 
 def read_weights(folder: Path) -> Iterator[tuple[str, Tensor]]:
-    """Every tensor of the folder's weights as ``(name, tensor)``, one shard at a time."""
+    """Every tensor of the folder's weights as ``(name, tensor)``, one shard at a time, the largest first. A
+    safetensors file is mapped again for each tensor (the pages read stay resident while their mapping lives), so a
+    model filled in this order holds at most one tensor's pages beside what it has filled."""
     for file in weight_files(folder):
         if file.suffix == ".safetensors":
             with safe_open(file, framework="pt") as f:
-                for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    yield key, f.get_tensor(key)
+                keys = sorted(f.keys(), key=lambda key: -math.prod(f.get_slice(key).get_shape()))
+            for key in keys:
+                with safe_open(file, framework="pt") as f:
+                    tensor = f.get_tensor(key)
+                yield key, tensor
+                del tensor
             continue
         state = _load_bin(file)
         yield from state.items()
