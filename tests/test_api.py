@@ -234,7 +234,7 @@ def test_decoding_defaults_are_the_modules_and_the_data_modules() -> None:
 
 KINDS = (
     "a .safetensors export, a .ckpt file, a DeepSpeed or FSDP checkpoint folder, a run folder, or a Hugging Face model "
-    "folder"
+    "folder (or its hub id, owner/name)"
 )
 EXPORT = "torch-handle export"  # from Python, messages name the installed command
 FIT = "torch-handle fit --config ..."

@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from tests.test_pretrained_led import stand_in_led
+from tests.test_pretrained_marian import stand_in_opus_mt
 from torch_handle.cli import OneLineErrorParser, main
 from torch_handle.data.base import Seq2SeqDataModule
 from torch_handle.lightning_cli import TorchHandleCLI
@@ -19,7 +20,7 @@ DEMO = ROOT / "configs" / "demo.yaml"
 FAST = ["--data.init_args.bpe_vocab_size=300"]  # tokenizer training is the slow part of instantiation
 # Hugging Face folders that configs start from (--model.init_from), which cannot be downloaded here: a tiny model of
 # the family stands in, at the same path.
-STAND_INS = {"led-base-16384": stand_in_led}
+STAND_INS = {"led-base-16384": stand_in_led, "Helsinki-NLP/opus-mt-en-de": stand_in_opus_mt}
 
 
 def _stack(path: Path) -> list[str]:

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -55,11 +56,15 @@ def _bart() -> tuple[object, object]:
 
 
 def _marian() -> tuple[object, object]:
-    tok = _tokenizer(["</s>", "<unk>"], "$A </s>", "<pad>", "</s>", None)
+    return marian_model(_tokenizer(["</s>", "<unk>"], "$A </s>", "<pad>", "</s>", None))
+
+
+def marian_model(tok: object, positions: int = SIZE["max_position_embeddings"]) -> tuple[object, object]:
+    """A random opus-mt-like model for the Marian tokenizer ``tok``: ``</s>`` 0, ``<pad>`` its decoder start."""
     pad = tok.pad_token_id
     config = transformers.MarianConfig(
         vocab_size=len(tok), pad_token_id=pad, decoder_start_token_id=pad, eos_token_id=0, forced_eos_token_id=0,
-        activation_function="swish", scale_embedding=True, **SIZE,
+        activation_function="swish", scale_embedding=True, **(SIZE | {"max_position_embeddings": positions}),
     )  # fmt: skip
     model = transformers.MarianMTModel(config)
     model.generation_config.update(bad_words_ids=[[pad]])  # as opus-mt's
@@ -89,11 +94,14 @@ EOS_BONUS = {"bart": 2.0, "marian": 2.0, "mbart": 1.5, "pegasus": 2.0}  # a logi
 FORMATS = ("safetensors", "sharded", "bin")
 
 
-def _save(family: str, fmt: str, path: Path) -> tuple[Path, object, object]:
-    """A random model of the family saved with its tokenizer as ``fmt``: one safetensors file, shards of one, or the
-    pickled ``pytorch_model.bin`` older ``transformers`` wrote (every tensor, tied ones too)."""
+def _save(
+    family: str, fmt: str, path: Path, build: Callable[[], tuple[object, object]] | None = None
+) -> tuple[Path, object, object]:
+    """A random model of the family (or that ``build`` makes) saved with its tokenizer as ``fmt``: one safetensors
+    file, shards of one, or the pickled ``pytorch_model.bin`` older ``transformers`` wrote (every tensor, tied ones
+    too)."""
     torch.manual_seed(0)
-    model, tok = {**FAMILIES, **MORE}[family]()
+    model, tok = (build or {**FAMILIES, **MORE}[family])()
     with torch.no_grad():  # weights larger than transformers' initialisation: outputs then follow their sources
         for name, parameter in model.named_parameters():
             if parameter.dim() == 2 and "embed_positions" not in name:  # Marian's sinusoid is a frozen parameter
@@ -147,14 +155,21 @@ def assert_logits_match(path: Path, hf: object, tok: object, length: int) -> Non
 
 @pytest.mark.parametrize("num_beams", [1, 4])
 def test_generate_matches_transformers(folder: tuple[Path, object, object], num_beams: int) -> None:
-    path, hf, tok = folder
-    batch = tok(TEXTS, return_tensors="pt", padding=True)
-    expected = hf.generate(**batch, num_beams=num_beams)[:, 1:]  # without the decoder's start token
-    assert_generate_matches(path, tok, expected, num_beams)
+    hf = folder[1]
+    expected = assert_generate_matches_transformers(folder, num_beams)
     # Hypotheses finish at different steps, and others at the length limit (forced EOS); this tiny PEGASUS ends every
     # output at once or none before the limit, whatever the bias.
     if num_beams > 1 and hf.config.model_type != "pegasus":
         assert len({int((row != hf.config.pad_token_id).sum()) for row in expected}) > 1, "outputs of one length"
+
+
+def assert_generate_matches_transformers(folder: tuple[Path, object, object], num_beams: int) -> torch.Tensor:
+    """Our ``generate`` and ``translate`` of ``TEXTS`` write what transformers' ``generate`` writes; its output."""
+    path, hf, tok = folder
+    batch = tok(TEXTS, return_tensors="pt", padding=True)
+    expected = hf.generate(**batch, num_beams=num_beams)[:, 1:]  # without the decoder's start token
+    assert_generate_matches(path, tok, expected, num_beams)
+    return expected
 
 
 def assert_generate_matches(

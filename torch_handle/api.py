@@ -28,6 +28,7 @@ from torch_handle.model import CompiledDecode, Transformer, generate
 from torch_handle.model.logits import DecodingControls
 from torch_handle.model.steps import cpu_decoding_layout
 from torch_handle.pretrained import is_pretrained_folder, load_pretrained
+from torch_handle.pretrained.hub import model_path
 from torch_handle.pretrained.trained import KINDS, read_trained
 from torch_handle.quantize import quantize as quantize_model
 
@@ -235,7 +236,7 @@ def load(
         path: An exported ``.safetensors`` file, a ``.ckpt`` file, a DeepSpeed or FSDP checkpoint folder, a run
             folder (``--trainer.default_root_dir``: its ``checkpoints/last.ckpt`` is loaded), or a Hugging Face model
             folder (BART, mBART, Marian, PEGASUS, T5, mT5, LED: :mod:`torch_handle.pretrained`), with its tokenizer and
-            generation config.
+            generation config, or its hub id (``Helsinki-NLP/opus-mt-en-de``: fetched once into the Hugging Face cache).
         device: Where to decode: ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ... On a GPU greedy decoding and beam search
             replay each step as a CUDA graph (see benchmarks/RESULTS.md, section "bench_peers on a GPU").
         attention_backend: The attention kernel on this machine (``auto`` picks one).
@@ -252,9 +253,9 @@ def load(
         SetupError: ``device`` is a CUDA device and this machine has none, or ``compile`` with a CUDA device.
         ValueError: ``quantize`` is not ``"int8"``, or comes with a device other than the CPU or ``compile``.
     """
-    path = Path(path)
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise SetupError(f"device={str(device)!r}, but this machine has no CUDA device: pass device='cpu'")
+    path = model_path(path, "torch_handle.load")
     if not path.exists():
         raise CheckpointError(f"{path} does not exist: pass {KINDS}")
     if is_pretrained_folder(path):

@@ -1,6 +1,6 @@
 """``TorchHandleCLI``, the LightningCLI behind ``fit``, ``validate``, ``test`` and ``predict``: checkpointing,
 throughput and prediction writing added, the vocabulary size linked, and ``--ckpt_path`` resolved (the run's last
-checkpoint, a folder of shards merged for another strategy, or an exported model)."""
+checkpoint, a folder of shards merged for another strategy, an exported model, or a Hugging Face model folder)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ from torch_handle.errors import SetupError
 from torch_handle.export import exported_metadata, exported_weights, is_exported, merged_checkpoint
 from torch_handle.hparams import RUNTIME, explicit_model_options, merge_checkpoint_options
 from torch_handle.layouts import deepspeed_refusal
-from torch_handle.pretrained.trained import init_tokenizer_path
+from torch_handle.pretrained.reader import is_pretrained_folder
+from torch_handle.pretrained.trained import init_path, init_tokenizer_path
 from torch_handle.strategies import require_deepspeed
 from torch_handle.tracking import configure_trackers, is_tracker, log_checkpoint_paths, record_run_ids
 
@@ -62,6 +63,8 @@ class TorchHandleCLI(LightningCLI):
     """The checkpoint folder that evaluation merged into one file (:meth:`_merge_folder`)."""
     checkpoint_tokenizer: str | None = None
     """The tokenizer JSON that ``--ckpt_path`` holds (the data module's state), if any."""
+    pretrained_from: str | None = None
+    """The Hugging Face model folder that evaluation's ``--ckpt_path`` named (read as ``--model.init_from``)."""
 
     def add_arguments_to_parser(self, parser) -> None:  # noqa: ANN001 - LightningArgumentParser
         parser.add_lightning_class_args(Checkpoint, "checkpoint")
@@ -103,6 +106,10 @@ class TorchHandleCLI(LightningCLI):
         path = config.get("ckpt_path")
         if is_exported(path or ""):
             return None  # checked and loaded by configure_from_exported
+        if path is not None and is_pretrained_folder(Path(path)):
+            if self.config.subcommand == "fit":
+                raise CheckpointError(f"{path} is a Hugging Face model folder: start from it with --model.init_from")
+            return None  # read as --model.init_from by before_instantiate_classes
         if self.config.subcommand == "fit" and path in RESUME_KEYWORDS[1:]:
             return None  # hpc and registry: Lightning resolves them
         folder = checkpoint_dir(config.trainer.default_root_dir)
@@ -162,9 +169,14 @@ class TorchHandleCLI(LightningCLI):
         strategy = config.trainer.strategy
         if "deepspeed" in str(strategy.get("class_path", "") if isinstance(strategy, Namespace) else strategy).lower():
             require_deepspeed()  # before jsonargparse folds the strategy's own error into a Union message
-        init_from = config.model.get("init_from")
-        if init_from is not None and config.data.init_args.tokenizer_path is None:
-            config.data.init_args.tokenizer_path = init_tokenizer_path(init_from)  # the model reads its tokenizer's ids
+        ckpt = config.get("ckpt_path")
+        if self.subcommand in EVALUATE and ckpt is not None and is_pretrained_folder(Path(ckpt)):
+            self.pretrained_from = config.model.init_from = ckpt  # its weights, architecture and tokenizer
+            config.ckpt_path = None
+        if config.model.get("init_from") is not None:  # a hub id resolved once: the model and the data read its folder
+            config.model.init_from = str(init_path(config.model.init_from))
+            if config.data.init_args.tokenizer_path is None:  # the model reads its tokenizer's ids
+                config.data.init_args.tokenizer_path = init_tokenizer_path(config.model.init_from)
         # evaluation logs to a new tracker run
         configure_trackers(config, resume=self.subcommand == "fit" and config.get("ckpt_path") is not None)
         if self.subcommand not in EVALUATE:
@@ -273,7 +285,8 @@ class TorchHandleCLI(LightningCLI):
         """A few lines after Lightning's table: the headline scores, how they were computed, and the weights used."""
         if self.trainer.is_global_zero:
             lines = self.model.summary(self.trainer.callback_metrics, "test")
-            weights = self.exported or self.merged_from or self.trainer.ckpt_path or "none: the model's initial weights"
+            weights = self.exported or self.merged_from or self.pretrained_from or self.trainer.ckpt_path
+            weights = weights or "none: the model's initial weights"
             print("\n".join(["", *lines, f"checkpoint: {weights}"]), flush=True)
 
     def before_predict(self) -> None:

@@ -4,7 +4,6 @@ decoding are in :mod:`torch_handle.evaluation`, its optimizer hooks in :mod:`tor
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -89,11 +88,12 @@ class Seq2SeqModule(Evaluation, Optimization):
         compile: ``torch.compile`` each encoder and decoder layer (as torchtitan compiles its blocks) once the
             parallelisation plans are applied, and the loss: fused kernels and fewer launches on a GPU, after a
             compilation of about a minute. Chosen for each run: checkpoints do not keep it.
-        init_from: A model to start from: a Hugging Face model folder (BART, mBART, Marian, PEGASUS, T5, mT5, LED),
-            or one of ours as :func:`torch_handle.load` reads it (an export, a checkpoint, a run folder, e.g. a
-            ``--config pretrain`` run's): its architecture replaces ``transformer`` (but for the attention kernel,
-            activation checkpointing and LED's ``global_tokens``), its weights the random ones, and its tokenizer the
-            data's (:mod:`torch_handle.pretrained.trained`).
+        init_from: A model to start from: a Hugging Face model folder (BART, mBART, Marian, PEGASUS, T5, mT5, LED) or
+            its hub id (``Helsinki-NLP/opus-mt-en-de``, fetched once into the Hugging Face cache), or one of ours as
+            :func:`torch_handle.load` reads it (an export, a checkpoint, a run folder, e.g. a ``--config pretrain``
+            run's): its architecture replaces ``transformer`` (but for the attention kernel, activation checkpointing
+            and LED's ``global_tokens``), its weights the random ones, and its tokenizer the data's
+            (:mod:`torch_handle.pretrained.trained`).
     """
 
     def __init__(
@@ -156,7 +156,7 @@ class Seq2SeqModule(Evaluation, Optimization):
         self.use_compile = compile
         config = dataclasses.replace(transformer, src_vocab_size=vocab_size, tgt_vocab_size=vocab_size)
         if init_from is not None:
-            config = self._pretrained_config(Path(init_from), transformer, vocab_size)
+            config = self._pretrained_config(init_from, transformer, vocab_size)
         check_context_parallel(config, context_parallel)
         if config.target_length is not None and max_new_tokens + 1 > config.target_length:
             name = "max_target_len" if config.max_target_len else "max_len"
@@ -167,14 +167,14 @@ class Seq2SeqModule(Evaluation, Optimization):
         self.model = Transformer(config)
         self.config = config
         if init_from is not None:
-            init_weights(self.model, Path(init_from))
+            init_weights(self.model, init_from)
         self.eval_metrics = torch.nn.ModuleDict({stage: self._new_metrics(stage) for stage in ("val", "test")})
         self._decoded: set[str] = set()  # stages that decoded in their current epoch
         self._naive_ratio: float | None = None  # this test's naive-baseline ratio (see ``naive_ratio``)
         self._parallelized = False  # configure_model applied the parallelisation plans
         self._pipeline: Pipeline | None = None  # this process's pipeline stages, under pipeline parallelism
 
-    def _pretrained_config(self, folder: Path, given: TransformerConfig, vocab_size: int) -> TransformerConfig:
+    def _pretrained_config(self, folder: str, given: TransformerConfig, vocab_size: int) -> TransformerConfig:
         """The architecture of the model at ``folder`` (``init_from``), with ``given``'s run settings (attention
         kernel, activation checkpointing, global tokens). Checkpoints keep it as ``transformer``, so they load without
         the folder."""

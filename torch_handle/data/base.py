@@ -347,7 +347,7 @@ class Seq2SeqDataModule(LightningDataModule, ABC):
             )
         if text.targets is None:
             return ExampleDataset([Example(ids, s) for ids, s in zip(src_ids, text.sources, strict=True)])
-        tgt_ids = self.tokenizer.encode_batch(text.targets)
+        tgt_ids = self.tokenizer.encode_target_batch(text.targets)
         limit = self.collator.max_target_tokens - 2
         self._check_length(list(map(len, tgt_ids)), "target", text.target_origin, text.lines, limit)
         references = text.references or [()] * len(text.targets)

@@ -136,12 +136,16 @@ class Tokenizer:
         if json_str.startswith(_WRAPPED):  # a pretrained tokenizer's, with its special tokens
             try:
                 wrapped = json.loads(json_str)
-                json_str = wrapped["tokenizer"]
                 fields = wrapped["torch_handle_specials"]
                 specials = Specials(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+                if "marian" in wrapped:  # sentencepiece files with a vocab.json (torch_handle.data.marian)
+                    from torch_handle.data.marian import PieceTokenizer
+
+                    return PieceTokenizer.from_parts(wrapped["marian"], specials)
+                json_str = wrapped["tokenizer"]
             except (json.JSONDecodeError, KeyError, TypeError) as err:
                 raise DataError(f"not a tokenizer JSON ({err})") from None
-        _check_ids(json_str)
+        check_ids(json_str)
         try:
             backend = _HFTokenizer.from_str(json_str)
         except Exception as err:  # the Rust binding raises a bare Exception
@@ -218,13 +222,17 @@ class Tokenizer:
         """Token ids of many texts at once, in parallel in the Rust library."""
         return [e.ids for e in self._backend.encode_batch(texts, add_special_tokens=False)]
 
+    def encode_target_batch(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of target texts: as :meth:`encode_batch` (Marian's tokenizer cuts targets with their own model)."""
+        return self.encode_batch(texts)
+
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids``, stopping at the first ``<eos>`` and dropping the other special tokens.
 
         Args:
             ids: Token ids, e.g. one row of generated output (a list or a 1-D tensor).
         """
-        return self._backend.decode(_until_eos(ids, self.eos_id), skip_special_tokens=True)
+        return self._backend.decode(until_eos(ids, self.eos_id), skip_special_tokens=True)
 
     def decode_batch(self, batch: Sequence[Sequence[int]]) -> list[str]:
         """Text of each row in ``batch``, as :meth:`decode`.
@@ -232,10 +240,10 @@ class Tokenizer:
         Args:
             batch: Rows of token ids (a list of lists or a 2-D tensor).
         """
-        return self._backend.decode_batch([_until_eos(ids, self.eos_id) for ids in batch], skip_special_tokens=True)
+        return self._backend.decode_batch([until_eos(ids, self.eos_id) for ids in batch], skip_special_tokens=True)
 
 
-def _check_ids(json_str: str) -> None:
+def check_ids(json_str: str) -> None:
     """Refuses token ids past :data:`MAX_TOKEN_ID`: the Rust library sizes a table by the largest id, and one id of
     1.5e9 would abort the process allocating it. Gaps in the ids and repeated pieces are the library's to accept."""
     try:
@@ -255,15 +263,20 @@ def _check_ids(json_str: str) -> None:
             raise DataError(f"not a tokenizer JSON (token {token!r} has id {id_!r}, outside 0-{MAX_TOKEN_ID})")
 
 
-def _until_eos(ids: Sequence[int], eos_id: int) -> list[int]:
+def until_eos(ids: Sequence[int], eos_id: int) -> list[int]:
     """Plain ints up to (excluding) the first ``<eos>``; accepts tensors through ``tolist``."""
     values = ids.tolist() if hasattr(ids, "tolist") else [int(i) for i in ids]
     return values[: values.index(eos_id)] if eos_id in values else values
 
 
 def read_tokenizer(folder: Path, specials: Specials) -> Tokenizer:
-    """The folder's ``tokenizer.json``, with the model's special tokens and the prefix its post-processor adds."""
+    """The folder's ``tokenizer.json``, with the model's special tokens and the prefix its post-processor adds; else
+    Marian's sentencepiece files (:mod:`torch_handle.data.marian`)."""
     path = folder / "tokenizer.json"
+    if not path.is_file() and (folder / "source.spm").is_file():
+        from torch_handle.data.marian import read_marian
+
+        return read_marian(folder, specials)
     if not path.is_file():
         raise DataError(
             f"{folder} has no tokenizer.json: save a fast tokenizer there "
@@ -271,7 +284,7 @@ def read_tokenizer(folder: Path, specials: Specials) -> Tokenizer:
         )
     try:
         json_str = path.read_text(encoding="utf-8")
-        _check_ids(json_str)
+        check_ids(json_str)
         backend = _HFTokenizer.from_str(json_str)
     except DataError as err:
         raise DataError(f"{path} is not a tokenizer: {err}") from None

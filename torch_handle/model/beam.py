@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from torch_handle.model.logits import StepControls
-from torch_handle.model.steps import CompiledDecode, StaticDecoder, check_owner, force_token, next_token_logits
+from torch_handle.model.steps import CompiledDecode, StaticDecoder, check_owner, force_token, next_token_log_probs
 from torch_handle.model.transformer import Transformer
 
 
@@ -67,7 +67,7 @@ def beam_search(
             logits = model.decode(tokens[:, -1:], memory, memory_padding, cache)
         else:
             logits = static(tokens[:, -1:].contiguous())  # a fixed stride, or the compiled step recompiles
-        logp = torch.log_softmax(next_token_logits(logits, c), dim=-1)  # (n*K, V)
+        logp = next_token_log_probs(logits, c)  # (n*K, V)
         if controls is not None:
             logp = controls.beam(logp, tokens)
         logp = force_token(logp, c, step, max_new_tokens)

@@ -32,11 +32,24 @@ def cpu_decoding_layout(model: nn.Module) -> None:
 
 def next_token_logits(logits: Tensor, config: TransformerConfig) -> Tensor:
     """Last-position logits ``(B, V)``, the tokens never generated ruled out (by default padding and BOS), as
-    ``bad_words_ids`` rules them out in ``transformers``, before the decoding controls."""
+    ``bad_words_ids`` rules them out in ``transformers``' greedy search and sampling, before the decoding controls."""
     logits = logits[:, -1].float()
     if config.suppressed:
         logits[:, config.suppressed] = float("-inf")
     return logits
+
+
+def next_token_log_probs(logits: Tensor, config: TransformerConfig) -> Tensor:
+    """Beam search's last-position log-probabilities ``(B, V)``. A Hugging Face model's ``bad_words_ids``
+    (``suppress_ids``) are ruled out of the log-probabilities, as ``transformers``' beam search does, so the other
+    tokens keep their probabilities; our default (padding and BOS) is ruled out before normalizing, as our CTranslate2
+    export's output bias rules them out."""
+    if config.suppress_ids is None:
+        return torch.log_softmax(next_token_logits(logits, config), dim=-1)
+    log_probs = torch.log_softmax(logits[:, -1].float(), dim=-1)
+    if config.suppress_ids:
+        log_probs[:, config.suppress_ids] = float("-inf")
+    return log_probs
 
 
 def force_token(scores: Tensor, config: TransformerConfig, step: int, steps: int) -> Tensor:

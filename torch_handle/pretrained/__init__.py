@@ -1,5 +1,7 @@
 """Hugging Face encoder-decoders as our one :class:`~torch_handle.model.Transformer`: a folder that
-``save_pretrained`` wrote becomes a model, its tokenizer and its decoding defaults, without ``transformers``.
+``save_pretrained`` wrote becomes a model, its tokenizer and its decoding defaults, without ``transformers`` (but
+to convert Marian's sentencepiece files, :mod:`torch_handle.data.marian`); a hub id is fetched by
+:mod:`torch_handle.pretrained.hub`.
 
 Each family is a function from ``config.json`` and ``generation_config.json`` to a ``TransformerConfig``; the tensors
 of BART, Marian, PEGASUS and LED share one layout (:mod:`torch_handle.pretrained.layout`), T5's have their own

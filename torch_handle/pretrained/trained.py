@@ -26,11 +26,12 @@ from torch_handle.export import (
 from torch_handle.model import Transformer
 from torch_handle.model.config import TransformerConfig
 from torch_handle.pretrained import fill, is_pretrained_folder, pretrained_config
+from torch_handle.pretrained.hub import model_path
 from torch_handle.pretrained.reader import read_weights
 
 KINDS = (
     "a .safetensors export, a .ckpt file, a DeepSpeed or FSDP checkpoint folder, a run folder, or a Hugging Face "
-    "model folder"
+    "model folder (or its hub id, owner/name)"
 )
 
 
@@ -66,15 +67,17 @@ def _checkpoint(path: Path) -> Path:
     return path
 
 
-def init_config(path: Path) -> TransformerConfig:
+def init_config(init_from: str | Path) -> TransformerConfig:
     """The architecture of ``--model.init_from``: a Hugging Face folder's, or one of ours (:func:`trained_metadata`)."""
-    if is_pretrained_folder(_existing(path)):
+    path = init_path(init_from)
+    if is_pretrained_folder(path):
         return pretrained_config(path)[0]
     return trained_metadata(path)[0]
 
 
-def init_weights(model: Transformer, path: Path) -> None:
+def init_weights(model: Transformer, init_from: str | Path) -> None:
     """Fills ``model`` with the weights of ``--model.init_from``, built from :func:`init_config`."""
+    path = init_path(init_from)
     if is_pretrained_folder(path):
         fill(model, read_weights(path), str(path))
     else:
@@ -84,16 +87,17 @@ def init_weights(model: Transformer, path: Path) -> None:
 def init_tokenizer_path(init_from: str) -> str:
     """What ``--data.tokenizer_path`` reads for ``--model.init_from``: a Hugging Face folder itself, else our model's
     tokenizer (``<mask>`` of a pretraining run included) written to a file removed when the process exits."""
-    path = _existing(Path(init_from))
+    path = init_path(init_from)
     if is_pretrained_folder(path):
-        return init_from
+        return str(path)
     tokenizer = temporary_folder() / TOKENIZER_FILE
     trained_metadata(path)[1].save(tokenizer)
     return str(tokenizer)
 
 
-def _existing(path: Path) -> Path:
-    """``path``, refused in one line when it does not exist."""
+def init_path(init_from: str | Path) -> Path:
+    """The local path of ``--model.init_from`` (a hub id's cached folder), refused in one line when there is none."""
+    path = model_path(init_from, "--model.init_from")
     if not path.exists():
         raise CheckpointError(f"--model.init_from {path} does not exist: pass {KINDS}")
     return path

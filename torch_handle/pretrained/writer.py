@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 
 from torch_handle import export
 from torch_handle.ctranslate2 import ExportError, check_free
+from torch_handle.data.marian import PieceTokenizer
 from torch_handle.data.tokenizer import Tokenizer
 from torch_handle.export import Decoding
 from torch_handle.model import Transformer, TransformerConfig
@@ -160,6 +161,9 @@ def write_hf(model: Transformer, tokenizer: Tokenizer, decoding: Decoding, out_d
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(_config_json(config, family), indent=2))
     (out / "generation_config.json").write_text(json.dumps(_generation_json(config, decoding), indent=2))
+    if isinstance(tokenizer, PieceTokenizer):  # Marian's sentencepiece files, as the folder it came from held them
+        tokenizer.write_folder(out)
+        return out
     tokenizer.backend.save(str(out / "tokenizer.json"))
     backend = tokenizer.backend
     names = {"pad_token": backend.id_to_token(config.pad_id), "eos_token": backend.id_to_token(config.eos_id)}
