@@ -103,7 +103,9 @@ def _run_all(args: argparse.Namespace) -> tuple[dict[str, dict[str, list[dict]]]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--child", choices=[*IMPLS, "ours-int8"], help="run one child measurement and print JSON")
+    parser.add_argument(
+        "--child", choices=[*IMPLS, "ours-int8", "imported"], help="run one child measurement and print JSON"
+    )
     parser.add_argument(
         "--quantize",
         choices=["int8"],
@@ -173,7 +175,7 @@ def main() -> None:
             description(args, s),
             common.markdown_table(header, rows),
             "Ratios are ours / peer: for step time lower is better, for sentences/s higher is better. Goals from "
-            "issue 12.",
+            "issue 12; the imported row's from issue 38 (no slower than ours against BART before imports).",
             "Configurations:\n\n" + configurations(s, cpu),
         ]
     )

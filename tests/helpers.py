@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import atexit
 import csv
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -53,6 +56,50 @@ TINY = [
     "--trainer.callbacks+=tests.helpers.LossRecorder",
 ]  # fmt: skip
 """A model and data small enough that process start-up, not compute, dominates a run."""
+
+
+_folders: dict[str, Path] = {}
+
+
+def pretrained_folder(family: str) -> Path:
+    """A tiny Hugging Face model folder of ``family``, ``bart`` or ``t5`` (v1.1: relative positions, RMSNorm, a gated
+    feed-forward, an untied output layer), written by transformers with its own initialisation and no dropout, whose
+    tokenizer holds every word of the demo corpus: the ``--model.init_from`` of the demo runs that compare processes.
+    Written once per process into a temporary folder removed at exit."""
+    if family not in _folders:
+        import transformers
+
+        from tests.test_pretrained import bart_tokenizer
+        from tests.test_pretrained_t5 import t5_tokenizer, untie_head
+        from torch_handle.data.demo import demo_corpus
+
+        words = sorted({w for pair in demo_corpus("train", 2000, seed=0) for text in pair for w in text.split()})
+        folder = Path(tempfile.mkdtemp(prefix=f"torch-handle-{family}-"))
+        atexit.register(shutil.rmtree, folder, True)
+        torch.manual_seed(0)
+        if family == "bart":
+            tok = bart_tokenizer(words)
+            size = {"d_model": 32, "encoder_layers": 1, "decoder_layers": 1, "encoder_attention_heads": 2}
+            size |= {"decoder_attention_heads": 2, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64}
+            config = transformers.BartConfig(
+                vocab_size=len(tok), max_position_embeddings=64, dropout=0.0, attention_dropout=0.0, **size
+            )
+            model = transformers.BartForConditionalGeneration(config)
+        else:
+            tok = t5_tokenizer(words)
+            size = {"d_model": 32, "d_kv": 16, "num_heads": 2, "d_ff": 64, "num_layers": 1}
+            size |= {"relative_attention_num_buckets": 8, "relative_attention_max_distance": 12, "n_positions": 64}
+            config = transformers.T5Config(
+                vocab_size=len(tok), feed_forward_proj="gated-gelu", dropout_rate=0.0, decoder_start_token_id=0,
+                **size,
+            )  # fmt: skip
+            model = transformers.T5ForConditionalGeneration(config)
+        model.save_pretrained(folder)
+        tok.save_pretrained(folder)
+        if family == "t5":
+            untie_head(folder, torch.randn(len(tok), size["d_model"]) * 0.05)
+        _folders[family] = folder
+    return _folders[family]
 
 
 def free_port() -> int:
@@ -284,13 +331,22 @@ def strategy_args(name: str) -> list[str]:
     return ["--config", STRATEGY_CONFIGS[name], "--trainer.accelerator", "cpu"]
 
 
-def reference_args(name: str, root: Path, *extra: str) -> list[str]:
-    """The full ``cli.py fit`` command of a strategy's reference run (used again, with extras, to resume)."""
+def reference_args(name: str, root: Path, *extra: str, pretrained: bool = True) -> list[str]:
+    """The full ``cli.py fit`` command of a strategy's reference run (used again, with extras, to resume): with
+    ``pretrained``, started from a tiny T5 folder (:func:`pretrained_folder`), so that every strategy's parity with
+    one process holds for an imported model and T5's relative positions, RMSNorm and gated feed-forward."""
+    # A word per token makes fewer tokens than TINY's BPE: smaller batches keep the STEPS steps in one epoch. T5's
+    # relative positions have no max_len to cut sources to: TINY's is the data's.
+    init_from = ["--model.init_from", str(pretrained_folder("t5")), "--data.init_args.max_tokens", "256"]
+    init_from = [*init_from, "--data.init_args.max_source_tokens", "64"] if pretrained else []
+    if "--ckpt_path" in extra:  # a checkpoint holds the architecture: init_from with one is refused
+        init_from = init_from[2:]
     return [
         "fit",
         *strategy_args(name),
         *fit_args(root, "--trainer.max_steps", str(STEPS), "--checkpoint.every_n_train_steps", "2")[1:],
         "--checkpoint.save_top_k", "-1",
+        *init_from,
         *extra,
     ]  # fmt: skip
 

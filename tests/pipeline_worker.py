@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from tests.helpers import comparable, full  # the launching test puts the checkout on PYTHONPATH
 from torch_handle.model import Transformer, TransformerConfig
 from torch_handle.parallel import Pipeline, PipelineConfig, apply_fully_shard_stages, apply_pipeline_parallel
+from torch_handle.pretrained.t5 import FIXED as T5
 
 BASE = {
     "src_vocab_size": 48,
@@ -44,8 +45,14 @@ CASES = {
     "pre-ln-tied-alibi-local": {"norm_first": True, "tie_embeddings": True, "position": "alibi",
                                 "encoder_attention": "local", "window": 3},
     "pre-ln-rope-pool4": {"norm_first": True, "position": "rope", "cross_downsample": 4},
-    "post-ln-learned-tied-untied-vocab": {"norm_first": False, "position": "learned", "tie_embeddings": True,
-                                          "src_vocab_size": 40},
+    # BART's layout: learned positions after an offset, the embeddings' LayerNorm on the first stage, an output bias
+    "post-ln-learned-tied-untied-vocab-bart": {"norm_first": False, "position": "learned", "tie_embeddings": True,
+                                               "src_vocab_size": 40, "position_offset": 2, "layernorm_embedding": True,
+                                               "final_norm": False, "final_logits_bias": True},
+    # T5 v1.1: relative-bias tables split by heads, RMSNorm, no biases, a gated feed-forward, heads wider than
+    # d_model / num_heads, and few buckets over a short distance, so the logarithmic buckets are used too
+    "t5-v1.1": {**T5, "activation": "gelu_tanh", "gated_ff": True, "attention_head_dim": 8, "relative_buckets": 8,
+                "relative_max_distance": 12},
 }  # fmt: skip
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2}
@@ -77,6 +84,8 @@ def run_case(name: str, overrides: dict, schedule: str, mesh: DeviceMesh) -> dic
     config = TransformerConfig(**{**BASE, **overrides})
     torch.manual_seed(0)
     model = Transformer(config).train()
+    if config.final_logits_bias:  # a fresh model's are zeros
+        model.logits_bias.normal_()
     reference = copy.deepcopy(model)
     dp, pp = mesh["data_parallel"], mesh["pipeline_parallel"]
     pipeline_config = PipelineConfig(schedule, MICROBATCHES, STAGES_PER_RANK[schedule])

@@ -49,6 +49,10 @@ def test_dry_run_measures_every_implementation_at_the_forced_length() -> None:
         assert float(row["ours / HF BART"]) > 0 and float(row["ours / CT2 fp32"]) > 0, row
         assert row["goal"].startswith(">= 1.5x BART: "), row
     assert _row(table, "training step, median wall")["goal"].startswith("<= 0.9x BART: ")
+    for kind in (" (", ", training step, median CPU"):  # HF BART's save_pretrained folder as init_from: wall, CPU
+        imported = _row(table, f"ours started from HF BART's folder{kind}")
+        assert float(imported["ours"]) > 0 and float(imported["ours / HF BART"]) > 0, imported
+        assert imported["goal"].startswith("<= 0.83x BART (issue 38): "), imported
     # Each trainable implementation compiled as its users compile it, every batch seen once before the timed steps:
     # a recompile inside them (seconds at this size, against milliseconds) would show as a step 100x the eager one.
     eager, compiled = _row(table, "training step, median wall"), _row(table, "training step compiled")

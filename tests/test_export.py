@@ -151,6 +151,7 @@ BAD: dict[str, tuple[Callable[[Path], None], str]] = {
     "unknown_field": (lambda p: _rewrite(p, _transformer(lambda f: f.update(colour=1))), "unknown fields ['colour']"),
     "missing_field": (lambda p: _rewrite(p, _transformer(lambda f: f.pop("d_model"))), "missing ['d_model']"),
     "wrong_type": (lambda p: _rewrite(p, _transformer(lambda f: f.update(d_model="16"))), "['d_model'] have the"),
+    "wrong_list": (lambda p: _rewrite(p, _transformer(lambda f: f.update(suppress_ids=["0"]))), "['suppress_ids']"),
     "bad_value": (lambda p: _rewrite(p, _transformer(lambda f: f.update(num_heads=3))), "not divisible"),
     "bad_choice": (lambda p: _rewrite(p, _transformer(lambda f: f.update(position="x"))), "['position'] have"),
     "no_tokenizer": (lambda p: _rewrite(p, lambda m, t: m.pop("tokenizer")), "no valid tokenizer"),
@@ -177,6 +178,15 @@ def test_a_bad_exported_file_is_one_line(case: str, tmp_path: Path) -> None:
     with pytest.raises(CheckpointError) as error:
         load_exported(path)
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_an_export_of_a_model_with_tokens_never_generated_loads(tmp_path: Path) -> None:
+    """An imported model keeps the tokens it never generates (``suppress_ids``, a list: T5's, Marian's): its export,
+    whichever strategy trained it, loads."""
+    path = _good(tmp_path / "model.safetensors")
+    _rewrite(path, _transformer(lambda f: f.update(suppress_ids=[0, 1])))
+    model, _ = load_exported(path)
+    assert model.config.suppress_ids == [0, 1]
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ import torch
 from conftest import tiny_config
 from torch import Tensor
 
-from torch_handle.model import Transformer, TransformerConfig, alibi_slopes, sinusoidal_table
+from torch_handle.model import Transformer, TransformerConfig, alibi_slopes, kernels, masks, sinusoidal_table
 from torch_handle.model.kernels import BackendUnavailableError, attend
 from torch_handle.model.masks import MaskSpec
 from torch_handle.model.positions import apply_rope, rope_angles, rope_inv_freq
@@ -114,6 +114,31 @@ def test_t5_relative_bias_matches_naive(backend: str) -> None:
     torch.testing.assert_close(other.eval()(src, tgt), reference.eval()(src, tgt))
 
 
+@torch.no_grad()
+def test_t5_mask_is_built_once_per_stack(monkeypatch: pytest.MonkeyPatch) -> None:
+    """T5's bias with the padding and causality folded in, ``(B, H, Tq, Tk)``, is built once per encoder and decoder
+    pass and per decoding step (dynamic and static caches), as transformers builds it, not once per layer."""
+    model = Transformer(dataclasses.replace(_config("relative", "full", "sdpa"), **T5)).eval()
+    built: list[str] = []
+    build = masks.dense_mask
+
+    def counted(spec: MaskSpec, *args: object) -> Tensor | None:
+        if spec.bias is not None and spec.dense is None:
+            built.append("built")
+        return build(spec, *args)
+
+    monkeypatch.setattr(masks, "dense_mask", counted)  # the model's, once per stack
+    monkeypatch.setattr(kernels, "dense_mask", counted)  # the layers'
+    src, tgt = _batch()
+    model(src, tgt)
+    assert len(built) == 2  # the encoder's and the decoder's, over two layers each
+    memory, padding = model.encode(src), model.memory_padding(src)
+    for cache in (model.new_cache(4), model.new_cache(4, padding)):
+        built.clear()
+        model.decode(tgt[:, :1], memory, padding, cache)
+        assert len(built) == 1
+
+
 FLEX_LENGTHS = sorted({*range(1, 130, 9), 24, 40, 104, 120})  # the four where compiled CPU flex was wrong
 
 
@@ -205,7 +230,8 @@ _MEMORY_PROBE = textwrap.dedent(
     """
     import re, sys
     import torch
-    from torch_handle.model.kernels import BackendUnavailableError, attend
+    from torch_handle.model import kernels, masks
+from torch_handle.model.kernels import BackendUnavailableError, attend
     from torch_handle.model.masks import MaskSpec
 
     def status_kib(field):

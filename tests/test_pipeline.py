@@ -16,6 +16,7 @@ from tests.helpers import (
     csv_logger,
     fit_args,
     logged,
+    pretrained_folder,
     torchrun_results,
 )
 from tests.pipeline_worker import BASE, CASES, SCHEDULES, STAGES_PER_RANK, STEPS
@@ -155,10 +156,10 @@ def test_two_pipeline_stages_train_as_one_process(tmp_path: Path) -> None:
     """Without dropout, 4 steps of 2 accumulated batches on 2 stages end with one process's weights: the schedule's
     backward passes, the accumulation and the tied embedding's summed gradients are Lightning's step. The stages'
     step-2 shards, keyed by parameter name, also continue on one process holding the whole model, to the same end;
-    throughput counts each batch once."""
-    accumulate = ("--trainer.accumulate_grad_batches", "2")
-    check(cli(_pp_args(tmp_path / "one", 1, *ONE_STAGE, *accumulate, *csv_logger(tmp_path / "one"))))
-    check(cli(_pp_args(tmp_path / "two", 2, *accumulate, *csv_logger(tmp_path / "two"))))
+    throughput counts each batch once. The model starts from a tiny Hugging Face BART folder (tied embeddings)."""
+    accumulate, bart = ("--trainer.accumulate_grad_batches", "2"), ("--model.init_from", str(pretrained_folder("bart")))
+    check(cli(_pp_args(tmp_path / "one", 1, *ONE_STAGE, *accumulate, *bart, *csv_logger(tmp_path / "one"))))
+    check(cli(_pp_args(tmp_path / "two", 2, *accumulate, *bart, *csv_logger(tmp_path / "two"))))
     for count in ("train/samples", "train/lengths"):  # both stages compute one batch: globally, it counts once
         assert logged(tmp_path / "two", count) == logged(tmp_path / "one", count), count
     shards = tmp_path / "two" / "checkpoints" / "epoch=0-step=2.ckpt"
@@ -233,14 +234,16 @@ def test_interleaving_one_stage_per_process_is_one_line_before_the_run_folder(tm
 def test_pipeline_stages_split_by_tensor_parallelism_train_as_one_process(tmp_path: Path) -> None:
     """2 stages x 2 tensor-parallel ranks (4 processes, one batch a step): 4 steps end with one process's weights,
     the batch counts once, not once per process, and the step-2 shards (split by stage and by heads) continue on one
-    process to the same end."""
+    process to the same end. The model starts from a tiny Hugging Face T5 folder: its relative-bias tables, split by
+    heads on the first stage, give the biases that the second stage receives."""
     tp = ("--trainer.strategy.init_args.tensor_parallel_size", "2")
-    check(cli(_pp_args(tmp_path / "one", 1, *ONE_STAGE, *csv_logger(tmp_path / "one"))))
-    check(cli(_pp_args(tmp_path / "four", 4, *tp, *csv_logger(tmp_path / "four"))))
+    t5 = ("--model.init_from", str(pretrained_folder("t5")))
+    check(cli(_pp_args(tmp_path / "one", 1, *ONE_STAGE, *t5, *csv_logger(tmp_path / "one"))))
+    check(cli(_pp_args(tmp_path / "four", 4, *tp, *t5, *csv_logger(tmp_path / "four"))))
     for count in ("train/samples", "train/lengths"):
         assert logged(tmp_path / "four", count) == logged(tmp_path / "one", count), count
     shards = tmp_path / "four" / "checkpoints" / "epoch=0-step=2.ckpt"
-    check(cli(_pp_args(tmp_path / "continued", 1, *ONE_STAGE, "--ckpt_path", str(shards))))
+    check(cli(_pp_args(tmp_path / "continued", 1, *ONE_STAGE, "--ckpt_path", str(shards))))  # architecture inside
     want = checkpoint_weights(tmp_path / "one")
     for run in ("four", "continued"):
         assert_weights_close(want, checkpoint_weights(tmp_path / run), run)

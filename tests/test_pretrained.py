@@ -35,8 +35,10 @@ SIZE = {"d_model": 32, "encoder_layers": 2, "decoder_layers": 2, "encoder_attent
 SIZE |= {"decoder_attention_heads": 4, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64, "max_position_embeddings": 64}
 
 
-def _tokenizer(specials: list[str], template: str, pad: str, eos: str, bos: str | None) -> object:
-    vocab = {token: i for i, token in enumerate([*specials, *WORDS])}
+def _tokenizer(
+    specials: list[str], template: str, pad: str, eos: str, bos: str | None, words: list[str] = WORDS
+) -> object:
+    vocab = {token: i for i, token in enumerate([*specials, *words])}
     if pad not in vocab:  # Marian keeps padding last
         vocab[pad] = len(vocab)
     backend = HFTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -48,8 +50,13 @@ def _tokenizer(specials: list[str], template: str, pad: str, eos: str, bos: str 
     )
 
 
+def bart_tokenizer(words: list[str] = WORDS) -> object:
+    """BART's tokenizer (``<s> text </s>``) over one token per word of ``words``."""
+    return _tokenizer(["<s>", "<pad>", "</s>", "<unk>"], "<s> $A </s>", "<pad>", "</s>", "<s>", words)
+
+
 def _bart() -> tuple[object, object]:
-    tok = _tokenizer(["<s>", "<pad>", "</s>", "<unk>"], "<s> $A </s>", "<pad>", "</s>", "<s>")
+    tok = bart_tokenizer()
     model = transformers.BartForConditionalGeneration(transformers.BartConfig(vocab_size=len(tok), **SIZE))
     model.generation_config.update(forced_bos_token_id=0)  # as bart-large-cnn's
     return model, tok
@@ -72,7 +79,7 @@ def marian_model(tok: object, positions: int = SIZE["max_position_embeddings"]) 
 
 
 def _mbart() -> tuple[object, object]:
-    tok = _tokenizer(["<s>", "<pad>", "</s>", "<unk>"], "<s> $A </s>", "<pad>", "</s>", "<s>")
+    tok = bart_tokenizer()
     config = transformers.MBartConfig(vocab_size=len(tok), decoder_start_token_id=2, scale_embedding=True, **SIZE)
     return transformers.MBartForConditionalGeneration(config), tok
 

@@ -22,10 +22,7 @@ from tests.test_pretrained import (
     assert_round_trip,
 )
 from torch_handle.ctranslate2 import ExportError
-from torch_handle.errors import SetupError
 from torch_handle.model import ConfigError, Transformer, TransformerConfig
-from torch_handle.parallel.pipeline import PipelineConfig, check_pipeline_parallel
-from torch_handle.parallel.tensor import check_tensor_parallel
 from torch_handle.pretrained import load_pretrained, pretrained_tokenizer
 from torch_handle.pretrained.writer import write_hf
 
@@ -40,13 +37,14 @@ KINDS = {  # model class, config class, feed-forward, whether the folder keeps i
 }
 
 
-def _tokenizer() -> transformers.PreTrainedTokenizerBase:
-    """T5's tokenizer over a tiny sentencepiece model (trained here, in milliseconds): the tokenizer.json that
-    ``save_pretrained`` writes for a real T5 (Unigram pieces, Metaspace, ``text </s>``)."""
+def t5_tokenizer(words: list[str] = WORDS) -> transformers.PreTrainedTokenizerBase:
+    """T5's tokenizer over a tiny sentencepiece model of one piece per word of ``words`` (trained here, in
+    milliseconds): the tokenizer.json that ``save_pretrained`` writes for a real T5 (Unigram pieces, Metaspace,
+    ``text </s>``)."""
     model = io.BytesIO()
-    sentences = [" ".join(WORDS[i : i + 7]) for i in range(0, len(WORDS), 3)]
+    sentences = [" ".join(words[i : i + 7]) for i in range(0, len(words), 3)]
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(sentences), model_writer=model, vocab_size=len(WORDS) + 3, model_type="word",
+        sentence_iterator=iter(sentences), model_writer=model, vocab_size=len(words) + 3, model_type="word",
         pad_id=0, eos_id=1, unk_id=2, bos_id=-1, minloglevel=2,
     )  # fmt: skip
     pieces = spm.SentencePieceProcessor(model_proto=model.getvalue())
@@ -60,7 +58,7 @@ def _save(kind: str, path: Path) -> tuple[Path, object, object]:
     model loaded from that folder."""
     torch.manual_seed(0)
     model_class, config_class, projection, own_head = KINDS[kind]
-    tok = _tokenizer()
+    tok = t5_tokenizer()
     config = config_class(vocab_size=len(tok), feed_forward_proj=projection, dropout_rate=0.0, **SIZE)
     model = model_class(config)
     with torch.no_grad():  # weights larger than transformers' initialisation: outputs then follow their sources
@@ -75,15 +73,21 @@ def _save(kind: str, path: Path) -> tuple[Path, object, object]:
     model.save_pretrained(path)
     tok.save_pretrained(path)
     if own_head:
-        weights = load_file(path / "model.safetensors")
-        weights["lm_head.weight"] = head
-        save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
-        hf_config = json.loads((path / "config.json").read_text())
-        hf_config.pop("scale_decoder_outputs", None)
-        (path / "config.json").write_text(json.dumps(hf_config | {"tie_word_embeddings": False}))
+        untie_head(path, head)
     hf = transformers.AutoModelForSeq2SeqLM.from_pretrained(path).eval()
     assert (hf.lm_head.weight is hf.shared.weight) != own_head
     return path, hf, tok
+
+
+def untie_head(path: Path, head: torch.Tensor) -> None:
+    """Writes ``head`` as the folder's own ``lm_head.weight`` beside ``tie_word_embeddings: false``, as the hub's
+    v1.1 and mT5 folders are (transformers 5 ties them when saving)."""
+    weights = load_file(path / "model.safetensors")
+    weights["lm_head.weight"] = head
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    hf_config = json.loads((path / "config.json").read_text())
+    hf_config.pop("scale_decoder_outputs", None)
+    (path / "config.json").write_text(json.dumps(hf_config | {"tie_word_embeddings": False}))
 
 
 @pytest.fixture(scope="module", params=list(KINDS))
@@ -155,20 +159,6 @@ def test_hf_export_names_the_t5_obstacle(tmp_path: Path) -> None:
     assert str(error.value) == (
         "scale_decoder_output=False with tie_embeddings=True: T5 scales the decoder output exactly when its output "
         "projection is the embedding"
-    )
-
-
-@pytest.mark.parametrize("strategy", ["tensor", "pipeline"])
-def test_model_parallelism_refuses_t5_in_one_line(strategy: str) -> None:
-    config = TransformerConfig(position="relative", norm="rms", bias=False)
-    with pytest.raises(SetupError) as error:
-        if strategy == "tensor":
-            check_tensor_parallel(config, 2)
-        else:
-            check_pipeline_parallel(config, 2, PipelineConfig())
-    assert str(error.value) == (
-        f"{strategy} parallelism does not split transformer.position='relative' (T5's) yet: train this model with "
-        "ddp, zero or fsdp"
     )
 
 

@@ -90,16 +90,19 @@ def test_zero3_export_predicts_as_the_gathered_checkpoint(base: Path, tmp_path: 
     # The same decoding, in this process, from the ZeRO-3 shards gathered by DeepSpeed itself.
     model, tokenizer = load_exported(exported)
     weights = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint))
-    model.load_state_dict({k.removeprefix("model."): v for k, v in weights.items()})
+    missing, unexpected = model.load_state_dict({k.removeprefix("model."): v for k, v in weights.items()}, strict=False)
+    assert not unexpected and set(missing) <= {"src_embed.weight"}  # DeepSpeed keeps T5's shared table under one name
     tokenizer.save(tmp_path / "tokenizer.json")
     data = TranslationDataModule(tokenizer_path=str(tmp_path / "tokenizer.json"), predict_file=str(sources))
     data.setup("predict")
-    expected = [
-        text
-        for batch in data.predict_dataloader()
-        for text in tokenizer.decode_batch(generate(model, batch["src"], 8, 2, 1.0).tolist())
-    ]
-    assert predicted == expected
+    by_source = {
+        source: text
+        for batch in data.predict_dataloader()  # batched by length: predict writes in the file's order
+        for source, text in zip(
+            batch["src_text"], tokenizer.decode_batch(generate(model, batch["src"], 8, 2, 1.0).tolist()), strict=True
+        )
+    }
+    assert predicted == [by_source[line] for line in sources.read_text().splitlines()]
 
 
 @pytest.mark.slow
@@ -186,7 +189,7 @@ LOGGER = ["--trainer.logger", "true"]  # demo.yaml's LearningRateMonitor needs o
 
 def _demo_fit(name: str, root: Path, *extra: str) -> list[str]:
     """``reference_args`` of strategy ``name`` on the shipped demo config (tied embeddings, clipping)."""
-    args = reference_args(name, root, *extra)
+    args = reference_args(name, root, *extra, pretrained=False)
     return [args[0], "--config", DEMO, *args[1:], *LOGGER]
 
 

@@ -23,6 +23,7 @@ from peers.models import (
     count_parameters,
     decoding_sources,
     hf_model,
+    imported_bart,
     our_model,
     training_batch,
     vocabulary,
@@ -37,7 +38,9 @@ def _train_child(impl: str, s: Sizes, steps: int, warmup: int, device: str, comp
 
     from torch_handle.loss import compiled_token_sums, token_sums
 
-    model = (our_model(s, no_eos=False) if impl == "ours" else hf_model(impl, s)).to(device)
+    ours = impl in ("ours", "imported")
+    model = our_model(s, no_eos=False) if impl == "ours" else imported_bart(s) if ours else hf_model(impl, s)
+    model = model.to(device)
     generator = torch.Generator().manual_seed(1)
     batches = [tuple(t.to(device) for t in training_batch(torch, generator, s)) for _ in range(TRAIN_BATCHES)]
     cuda = device == "cuda"
@@ -45,7 +48,7 @@ def _train_child(impl: str, s: Sizes, steps: int, warmup: int, device: str, comp
 
     def loss_of(batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
         src, tgt, labels = batch
-        if impl == "ours":  # as the LightningModule: logits at the positions the loss reads only
+        if ours:  # as the LightningModule: logits at the positions the loss reads only
             targets = labels != PAD
             logits, labels = forward(src, tgt, targets), labels[targets]
         else:  # no decoder mask: right padding is invisible to earlier positions, and the loss skips it
@@ -88,7 +91,7 @@ def _train_child(impl: str, s: Sizes, steps: int, warmup: int, device: str, comp
     result = timed(warmup) | {"peak": _peak_bytes(device), "parameters": count_parameters(model)}
     result |= {"kernels": kernels()} if cuda else {}
     if compile:
-        if impl == "ours":
+        if ours:
             for layer in (*model.encoder_layers, *model.decoder_layers):
                 layer.compile()
         else:

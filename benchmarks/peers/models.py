@@ -11,10 +11,11 @@ from typing import Any
 PAD, BOS, EOS = 0, 1, 2
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]  # ids 0-3, the layout torch_handle.ctranslate2 expects
 IMPLS = ["ours", "bart", "marian", "ct2-fp32", "ct2-int8"]
-TRAINABLE = ["ours", "bart", "marian"]
+TRAINABLE = ["ours", "imported", "bart", "marian"]  # imported: HF BART's folder read into ours (--model.init_from)
 INT8 = ["ours", "ours-int8", "ct2-fp32", "ct2-int8"]  # --quantize int8: ours eager fp32 and int8 against CTranslate2
 NAMES = {"ours": "ours", "bart": "HF BART", "marian": "HF Marian", "ct2-fp32": "CT2 fp32", "ct2-int8": "CT2 int8"}
 NAMES["ours-int8"] = "ours int8"
+NAMES["imported"] = "ours from HF BART's folder"
 LABEL_SMOOTHING = 0.1  # as every shipped config
 DROPOUT = 0.1
 TRAIN_BATCHES = 4  # distinct training batches, cycled
@@ -125,6 +126,22 @@ def hf_model(impl: str, s: Sizes) -> Any:  # noqa: ANN401
     return model
 
 
+def imported_bart(s: Sizes) -> Any:  # noqa: ANN401
+    """:func:`hf_model`'s BART written by ``save_pretrained`` and read back as ``--model.init_from`` reads a folder:
+    the same architecture and weights (post-LN, learned positions, embedding LayerNorm, output bias) in ours."""
+    import tempfile
+    from pathlib import Path
+
+    from torch_handle.model import Transformer
+    from torch_handle.pretrained.trained import init_config, init_weights
+
+    with tempfile.TemporaryDirectory() as folder:
+        hf_model("bart", s).save_pretrained(folder)
+        model = Transformer(init_config(Path(folder)))
+        init_weights(model, Path(folder))
+    return model
+
+
 def count_parameters(model: Any) -> int:  # noqa: ANN401
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
@@ -157,4 +174,4 @@ def vocabulary(s: Sizes) -> list[str]:
 
 def decoding_impls(device: str, quantize: str | None = None) -> list[str]:
     """The implementations that decode: CTranslate2 on the CPU only, where its goal is; int8 against CTranslate2."""
-    return INT8 if quantize else IMPLS if device == "cpu" else TRAINABLE
+    return INT8 if quantize else IMPLS if device == "cpu" else IMPLS[:3]

@@ -205,9 +205,12 @@ def exported_decoding(path: str | Path, config: TransformerConfig) -> Decoding:
 
 
 def _has_type(value: Any, hint: Any) -> bool:
-    """Whether a JSON value fits a config field's annotation (``int``, ``float``, ``bool``, ``Literal``, ``| None``)."""
+    """Whether a JSON value fits a config field's annotation (``int``, ``float``, ``bool``, ``Literal``, ``list[X]``,
+    ``| None``)."""
     if get_origin(hint) is Literal:
         return value in get_args(hint)
+    if get_origin(hint) is list:  # suppress_ids: an imported model's tokens never generated
+        return isinstance(value, list) and all(_has_type(item, get_args(hint)[0]) for item in value)
     if get_args(hint):  # X | None
         return any(_has_type(value, option) for option in get_args(hint))
     if hint is type(None):

@@ -17,7 +17,9 @@ _ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "gelu_tanh": partial(F.gelu, app
 
 class RMSNorm(nn.Module):
     """T5's LayerNorm: scales by the root mean square, with neither mean nor bias; the statistics are taken in fp32
-    whatever the input's precision, and the result is cast back to it."""
+    whatever the input's precision, and the result is cast back to it. Not ``torch.nn.RMSNorm``, which computes the
+    same in fp32 but, with fp32 weights over bf16 activations (autocast), warns on every call, cannot take its fused
+    kernel, and returns bf16 where T5's own norm returns fp32."""
 
     def __init__(self, d_model: int, eps: float) -> None:
         super().__init__()

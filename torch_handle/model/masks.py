@@ -6,7 +6,7 @@ construction and the naive one can serve as the reference for the others.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -24,6 +24,8 @@ class MaskSpec:
         alibi: ``(H,)`` ALiBi slopes: the score drops by ``slope * |i - j|``.
         bias: ``(1, H, Tq, Tk)`` added to the scores (T5's relative positions, see
             :func:`torch_handle.model.positions.relative_bias`).
+        dense: What :func:`dense_mask` makes of this spec, built once for every layer of a stack (see
+            :func:`prebuilt`); the kernels that take a dense mask use it as it is.
         q_offset: Position of the first query (keys start at 0); non-zero while decoding with a cache, a ``(1,)``
             tensor with a static one.
         global_keys: Under a ``window``, the first keys that every query sees wherever it sits (Longformer's global
@@ -39,6 +41,7 @@ class MaskSpec:
     bias: Tensor | None = None
     q_offset: int | Tensor = 0
     global_keys: int = 0
+    dense: Tensor | None = None
     built: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
@@ -68,6 +71,8 @@ def dense_mask(spec: MaskSpec, q_len: int, k_len: int, device: torch.device, dty
     Returns ``None`` (no mask), a boolean mask (True = attend), or an additive float mask with ALiBi or a ``bias``.
     Shapes broadcast: ``(B or 1, H or 1, Tq or 1, Tk)``.
     """
+    if spec.dense is not None:
+        return spec.dense
     q_pos = torch.arange(q_len, device=device) + spec.q_offset
     k_pos = torch.arange(k_len, device=device)
     mask = allowed(spec, q_pos, k_pos)
@@ -82,3 +87,14 @@ def dense_mask(spec: MaskSpec, q_len: int, k_len: int, device: torch.device, dty
     else:
         bias = alibi_bias(spec.alibi.to(device), q_pos, k_pos)[None].to(dtype)  # (1, H, Tq, Tk)
     return bias if mask is None else bias.masked_fill(~mask, float("-inf"))
+
+
+def prebuilt(spec: MaskSpec, q_len: int, k_len: int) -> MaskSpec:
+    """``spec`` with its :func:`dense_mask` built now, when it holds a ``bias``, in the dtype the queries will have
+    (autocast's, else the bias's): T5's bias with the padding and causality folded in is a ``(B, H, Tq, Tk)`` tensor
+    that every layer of a stack would otherwise build again, as transformers builds it once per stack."""
+    if spec.bias is None:
+        return spec
+    device = spec.bias.device
+    dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else spec.bias.dtype
+    return replace(spec, dense=dense_mask(spec, q_len, k_len, device, dtype))

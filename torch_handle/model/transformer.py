@@ -14,7 +14,7 @@ from torch_handle.model.cache import DecoderCache
 from torch_handle.model.config import TransformerConfig
 from torch_handle.model.kernels import check_backend
 from torch_handle.model.layers import DecoderLayer, EncoderLayer, make_norm
-from torch_handle.model.masks import MaskSpec
+from torch_handle.model.masks import MaskSpec, prebuilt
 from torch_handle.model.positions import alibi_slopes, relative_bias, rope_angles, rope_inv_freq, sinusoidal_table
 
 
@@ -233,8 +233,18 @@ class Transformer(nn.Module):
         """The config field that bounds the decoder's positions, and its value (None: unbounded)."""
         return ("max_target_len" if self.config.max_target_len else "max_len", self.config.target_length)
 
-    def encoder_context(self, src: Tensor, offset: int = 0, halo_padding: Tensor | None = None) -> EncoderContext:
-        """What every encoder layer needs besides its input: the mask and the RoPE angles (see :meth:`encode`)."""
+    def relative_biases(self, src_len: int, tgt_len: int) -> tuple[Tensor, ...]:
+        """T5's position biases of a teacher-forced pass, the encoder's ``(1, H, S, S)`` and the decoder's
+        ``(1, H, T, T)``; none for other positions. A pipeline's first stage computes them for the stages after it."""
+        if self.config.position != "relative":
+            return ()
+        return self._relative(True, src_len, src_len), self._relative(False, tgt_len, tgt_len)
+
+    def encoder_context(
+        self, src: Tensor, offset: int = 0, halo_padding: Tensor | None = None, bias: Tensor | None = None
+    ) -> EncoderContext:
+        """What every encoder layer needs besides its input: the mask and the RoPE angles (see :meth:`encode`);
+        ``bias``, T5's from :meth:`relative_biases`, when computed elsewhere."""
         c = self.config
         window = None if c.encoder_attention == "full" else c.window
         pad, rows = _tokens(src == c.pad_id)
@@ -243,9 +253,10 @@ class Transformer(nn.Module):
                 key_padding=pad,
                 window=window,
                 alibi=self._slopes,
-                bias=self._relative(True, src.shape[1], src.shape[1]),
+                bias=self._relative(True, src.shape[1], src.shape[1]) if bias is None else bias,
                 global_keys=min(c.global_tokens, src.shape[1]) if c.encoder_attention == "longformer" else 0,
             )
+            spec = prebuilt(spec, src.shape[1], src.shape[1])
         else:
             assert window is not None, "halos exist under local attention only"
             spec = MaskSpec(key_padding=halo_padding, window=window, alibi=self._slopes, q_offset=window)
@@ -265,17 +276,17 @@ class Transformer(nn.Module):
         return self._pool(x, src == self.config.pad_id)
 
     def decoder_context(
-        self, tgt: Tensor, memory_padding: Tensor, offset: int = 0, cached: bool = False
+        self, tgt: Tensor, memory_padding: Tensor, offset: int = 0, cached: bool = False, bias: Tensor | None = None
     ) -> DecoderContext:
         """What every decoder layer needs besides its input and ``memory``: masks, RoPE angles and, unless ``tgt``
-        holds a cached decoding's new tokens (never padding), the rows that are not padding."""
+        holds a cached decoding's new tokens (never padding), the rows that are not padding; ``bias``, T5's from
+        :meth:`relative_biases`, when computed elsewhere."""
+        length = tgt.shape[1]
+        if bias is None:
+            bias = self._relative(False, length, offset + length, offset)
+        self_spec = MaskSpec(causal=True, alibi=self._slopes, bias=bias, q_offset=offset)
         return DecoderContext(
-            MaskSpec(
-                causal=True,
-                alibi=self._slopes,
-                bias=self._relative(False, tgt.shape[1], offset + tgt.shape[1], offset),
-                q_offset=offset,
-            ),
+            prebuilt(self_spec, length, offset + length),
             MaskSpec(key_padding=_any_padding(memory_padding)),
             self._rope(offset, tgt.shape[1], tgt.device),
             None if cached else _tokens(_target_padding(tgt, self.config.pad_id))[1],
@@ -293,6 +304,11 @@ class Transformer(nn.Module):
         ``(B, T)`` mask, those positions' only, ``(N, V)``: a loss that skips padding needs no logits there."""
         x = self.decoder_norm(x if targets is None else x[targets])
         logits = self.lm_head(x * self.config.d_model**-0.5 if self.config.scale_decoder_output else x)
+        return self.add_logits_bias(logits)
+
+    def add_logits_bias(self, logits: Tensor) -> Tensor:
+        """``logits (..., V)`` plus ``final_logits_bias`` when the config has one. Tensor parallelism's output layer
+        adds it to each process's share of the vocabulary instead (:mod:`torch_handle.parallel.tensor`)."""
         return logits + self.logits_bias.to(logits.dtype) if self.config.final_logits_bias else logits
 
     def _pool(self, x: Tensor, pad: Tensor) -> Tensor:
@@ -373,6 +389,7 @@ class Transformer(nn.Module):
             None if cache.bias is None else cache.bias.index_select(2, position)[..., : keys.shape[0]]
         )  # (1, H, 1, K)
         self_spec = MaskSpec(key_padding=future, alibi=self._slopes, bias=bias, q_offset=position.squeeze(0))
+        self_spec = prebuilt(self_spec, 1, keys.shape[0])
         rope = None if cache.rope is None else (cache.rope[0][position], cache.rope[1][position])
         x = self.embed_target(tgt, position)
         for i, layer in enumerate(self.decoder_layers):

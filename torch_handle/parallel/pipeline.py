@@ -5,7 +5,10 @@ T5; process ``r`` keeps stages ``r, r + pp, ...`` (``v`` stages per process: one
 schedule, whose smaller stages shrink the pipeline's idle share by ``v``) and drops the other layers. Activations cross
 a stage boundary as a pair: the encoder's hidden states and the embedded target while the encoder runs, then the
 encoder's output (``memory``) and the decoder's hidden states, because PyTorch's schedules carry no skip connection past
-a stage: every decoder stage needs ``memory`` for cross-attention. The first stage embeds both source and target
+a stage: every decoder stage needs ``memory`` for cross-attention. T5's relative position biases ride along the same
+way: the first stage holds both bias tables and computes the encoder's and the decoder's biases, which travel with the
+pair (the encoder's until the encoder is done), so each table is one parameter trained on one stage and every stage's
+gradient flows back to it. The first stage embeds both source and target
 (integer ids cannot cross a boundary with a gradient), and every stage receives the token ids too, as keyword arguments,
 to build its masks.
 
@@ -160,21 +163,26 @@ class StageModule(nn.Module):
             if kept and getattr(model, name, None) is not None
         )
 
-    def forward(self, *carried: Tensor, src: Tensor, tgt: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+    def forward(self, *carried: Tensor, src: Tensor, tgt: Tensor) -> Tensor | tuple[Tensor, ...]:
         m, plan = self.model, self.plan
         if plan.first:
             x, y = m.embed_source(src), m.embed_target(tgt)
+            biases = [b.contiguous() for b in m.relative_biases(src.shape[1], tgt.shape[1])]  # gloo sends no views
         else:
-            x, y = (_ContiguousGrad.apply(t) for t in carried)
+            x, y, *biases = (_ContiguousGrad.apply(t) for t in carried)
+        # T5's position biases (see _carried): the encoder's while the encoder runs, and the decoder's
+        encoder_bias = biases.pop(0) if len(biases) == 2 else None
+        decoder_bias = biases[0] if biases else None
         if plan.encoder:
-            x = m.run_encoder(x, m.encoder_context(src), plan.encoder)
+            x = m.run_encoder(x, m.encoder_context(src, bias=encoder_bias), plan.encoder)
         if plan.finishes_encoder:
-            x = m.finish_encoder(x, src)  # now memory
+            x, encoder_bias = m.finish_encoder(x, src), None  # now memory
         if plan.decoder:
-            y = m.run_decoder(y, x, m.decoder_context(tgt, m.memory_padding(src)), plan.decoder)
+            context = m.decoder_context(tgt, m.memory_padding(src), bias=decoder_bias)
+            y = m.run_decoder(y, x, context, plan.decoder)
         if plan.last:
             return m.logits(y)
-        return x, y
+        return tuple(t for t in (x, y, encoder_bias, decoder_bias) if t is not None)
 
 
 def _ends(model: Transformer, plans: list[StagePlan]) -> dict[str, bool]:
@@ -184,6 +192,10 @@ def _ends(model: Transformer, plans: list[StagePlan]) -> dict[str, bool]:
         "src_embed": first,
         "src_pos": first,
         "tgt_pos": first,
+        "src_embed_norm": first,  # BART's LayerNorms over the embeddings
+        "tgt_embed_norm": first,
+        "src_relative": first,  # T5's tables: the first stage computes the biases every stage gets
+        "tgt_relative": first,
         # The target table: looked up on the first stage, and the output layer's weight on the last when tied.
         "tgt_embed": first or (last and model.config.tie_embeddings),
         "lm_head": last,
@@ -237,18 +249,20 @@ class Pipeline:
         meta = torch.device("meta")
         memory_len = -(-src.shape[1] // c.cross_downsample)
 
-        def pair(decoding: bool) -> tuple[Tensor, Tensor]:
-            x_len = memory_len if decoding else src.shape[1]
-            return (
-                torch.empty(rows, x_len, c.d_model, dtype=dtype, device=meta, requires_grad=backward),
-                torch.empty(rows, tgt.shape[1], c.d_model, dtype=dtype, device=meta, requires_grad=backward),
-            )
+        heads = module.layers[0].self_attn.num_heads  # this process's, under tensor parallelism
 
-        inputs = () if plan.first else pair(plan.receives_memory)
+        def carried(decoding: bool) -> tuple[Tensor, ...]:
+            x_len = memory_len if decoding else src.shape[1]
+            shapes = [(rows, x_len, c.d_model), (rows, tgt.shape[1], c.d_model)]
+            if c.position == "relative":  # T5's position biases, the encoder's until the encoder is done
+                shapes += [(1, heads, n, n) for n in ((tgt.shape[1],) if decoding else (src.shape[1], tgt.shape[1]))]
+            return tuple(torch.empty(s, dtype=dtype, device=meta, requires_grad=backward) for s in shapes)
+
+        inputs = () if plan.first else carried(plan.receives_memory)
         outputs = (
             torch.empty(rows, tgt.shape[1], c.tgt_vocab_size, dtype=dtype, device=meta, requires_grad=backward)
             if plan.last
-            else pair(plan.sends_memory)
+            else carried(plan.sends_memory)
         )
         return PipelineStage(
             module, plan.index, plan.stages, src.device, input_args=inputs, output_args=outputs, group=self.group
@@ -328,11 +342,6 @@ def check_pipeline_parallel(config: TransformerConfig, processes: int, pipeline:
     """Raises :class:`SetupError` in one line when ``pipeline`` cannot cut a model of ``config`` over ``processes``
     (the strategy asks before the run folder is made; :func:`apply_pipeline_parallel` asks again)."""
     pipeline.check(processes)
-    if config.position == "relative":  # a bias table per stack, which stages would each hold and train apart
-        raise SetupError(
-            "pipeline parallelism does not split transformer.position='relative' (T5's) yet: train this model with "
-            "ddp, zero or fsdp"
-        )
     stages, layers = processes * pipeline.stages_per_rank, config.num_encoder_layers + config.num_decoder_layers
     if stages > layers:
         raise SetupError(

@@ -12,7 +12,8 @@ same way), so a lookup is summed over the ranks and the logits come out split by
 PyTorch's ``loss_parallel``): no rank holds the ``(tokens, vocabulary)`` logits whole. Elsewhere (decoding, beam search,
 the metrics) they are gathered, so everything downstream sees the usual tensor. Pipeline stages keep their tables
 whole: the tied table's gradient is summed between the first and the last stage (``Pipeline.sync_tied_grads``), which
-a split would have to follow. LayerNorms and positions are replicated.
+a split would have to follow. Norms and positions are replicated, but for T5's relative-bias tables, whose columns
+(one per head) are split as the heads are.
 
 Every parameter becomes a DTensor on the mesh (sharded or ``Replicate``), so ``state_dict``, gradient clipping,
 ``torch.distributed.checkpoint`` and FSDP2 see one model with its global shapes and names. The packed query/key/value
@@ -103,6 +104,9 @@ def _shard_vocabulary(model: Transformer, mesh: DeviceMesh) -> None:
         return out.redistribute(mesh, [Replicate()]).to_local()
 
     def logits(module: nn.Module, out: DTensor, mesh: DeviceMesh) -> Tensor:
+        if model.config.final_logits_bias:  # BART's and Marian's bias, each rank's share of the vocabulary
+            bias = model.logits_bias.to(out.dtype)  # read at each call: moving the model replaces the buffer
+            out = out + DTensor.from_local(bias, mesh, [Replicate()], run_check=False)
         return out if _SHARDED_LOGITS.get() else out.full_tensor()
 
     for embed in {id(m): m for m in (model.src_embed, model.tgt_embed) if m is not None}.values():
@@ -111,6 +115,15 @@ def _shard_vocabulary(model: Transformer, mesh: DeviceMesh) -> None:
     if model.lm_head is not None:
         split(model.lm_head)
         distribute_module(model.lm_head, mesh, keep, replicated, logits)
+        model.__class__ = VocabParallelTransformer
+
+
+class VocabParallelTransformer(Transformer):
+    """A :class:`~torch_handle.model.Transformer` whose output layer, split by vocabulary, adds ``final_logits_bias``
+    to the split logits itself (a whole bias cannot be added to them). Made by :func:`_shard_vocabulary`."""
+
+    def add_logits_bias(self, logits: Tensor) -> Tensor:
+        return logits
 
 
 def _enter_parallel_region(x: Tensor, mesh: DeviceMesh) -> Tensor:
@@ -124,8 +137,10 @@ class TensorParallelAttention(MultiHeadAttention):
 
     tp_mesh: DeviceMesh
 
-    def packed_projection(self) -> tuple[Tensor, Tensor]:
-        bias = self.in_proj.bias.redistribute(self.tp_mesh, [HEADS]).to_local()  # backward gathers its gradient
+    def packed_projection(self) -> tuple[Tensor, Tensor | None]:
+        bias = self.in_proj.bias
+        if bias is not None:  # T5 has none
+            bias = bias.redistribute(self.tp_mesh, [HEADS]).to_local()  # backward gathers its gradient
         return self.in_proj.weight.to_local(), bias  # [q_r; k_r; v_r]
 
     def forward(self, x: Tensor, spec: MaskSpec, memory: Tensor | None = None, **kwargs: Any) -> Tensor:
@@ -139,7 +154,8 @@ def _shard_attention(attention: MultiHeadAttention, mesh: DeviceMesh) -> None:
     attention.in_proj.weight = nn.Parameter(distribute_tensor(attention.in_proj.weight.data, mesh, [HEADS]))
     # The bias stays whole (3C numbers): FSDP2 could not shard a vector split this way once more and still gather
     # it right (its full_tensor() would interleave wrongly); each rank slices its heads out in the forward pass.
-    attention.in_proj.bias = nn.Parameter(DTensor.from_local(attention.in_proj.bias.data, mesh, [Replicate()]))
+    if attention.in_proj.bias is not None:
+        attention.in_proj.bias = nn.Parameter(DTensor.from_local(attention.in_proj.bias.data, mesh, [Replicate()]))
     parallelize_module(attention.out_proj, mesh, RowwiseParallel())
     attention.__class__ = TensorParallelAttention
     attention.tp_mesh = mesh
@@ -178,13 +194,6 @@ def check_tensor_parallel(config: TransformerConfig, processes: int) -> None:
             f"tensor_parallel_size={processes} must divide transformer.num_heads ({config.num_heads}) and "
             f"transformer.d_ff ({config.d_ff}): choose a tensor_parallel_size that divides both"
         )
-    t5 = {"position": "relative", "bias": False, "gated_ff": True}  # options no plan here splits yet
-    for name, value in t5.items():
-        if getattr(config, name) == value:
-            raise SetupError(
-                f"tensor parallelism does not split transformer.{name}={value!r} (T5's) yet: train this model with "
-                "ddp, zero or fsdp"
-            )
 
 
 def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, vocabulary: bool = True) -> Transformer:
@@ -202,7 +211,13 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, vocabulary: bool
         if isinstance(module, MultiHeadAttention):
             _shard_attention(module, mesh)
         elif isinstance(module, FeedForward):
-            parallelize_module(module, mesh, {"linear1": ColwiseParallel(), "linear2": RowwiseParallel()})
+            plan = {"linear1": ColwiseParallel(), "linear2": RowwiseParallel()}
+            if module.gate is not None:  # T5 v1.1's gate, multiplied unit by unit with linear1's output
+                plan["gate"] = ColwiseParallel()
+            parallelize_module(module, mesh, plan)
+    for name in ("src_relative", "tgt_relative"):  # T5's bias tables (buckets, heads): this rank's heads' columns
+        if getattr(model, name, None) is not None:
+            parallelize_module(getattr(model, name), mesh, ColwiseParallel())
     for module in list(model.modules()):
         if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
             _replicate(module, mesh, shared)
