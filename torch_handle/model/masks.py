@@ -7,7 +7,7 @@ construction and the naive one can serve as the reference for the others.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -98,3 +98,41 @@ def prebuilt(spec: MaskSpec, q_len: int, k_len: int) -> MaskSpec:
     device = spec.bias.device
     dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else spec.bias.dtype
     return replace(spec, dense=dense_mask(spec, q_len, k_len, device, dtype))
+
+
+class EncoderContext(NamedTuple):
+    """Inputs shared by every encoder layer."""
+
+    spec: MaskSpec
+    rope: tuple[Tensor, Tensor] | None
+    rows: Tensor | None = None  # the source tokens that are not padding, flat indices; None when none is
+
+
+class DecoderContext(NamedTuple):
+    """Inputs shared by every decoder layer."""
+
+    self_spec: MaskSpec
+    cross_spec: MaskSpec
+    rope: tuple[Tensor, Tensor] | None
+    rows: Tensor | None = None  # the decoder inputs that are not padding, flat indices; None when none is
+
+
+def any_padding(pad: Tensor) -> Tensor | None:
+    """``pad``, or ``None`` when nothing is padding: attention without a mask runs the flash kernel on a GPU, where
+    a mask (even all True) sends SDPA to a slower one. One host sync per encoder or decoder pass, not per layer."""
+    return pad if bool(pad.any()) else None
+
+
+def target_padding(tgt: Tensor, pad_id: int) -> Tensor:
+    """``(B, T)``: True at the padding of decoder inputs ``tgt``. Padding is on the right, after the start token, which
+    is never padding even where it is ``pad_id`` (Marian starts with it); causal attention hides the rest."""
+    pad = tgt == pad_id
+    pad[:, 0] = False
+    return pad
+
+
+def token_rows(pad: Tensor) -> tuple[Tensor | None, Tensor | None]:
+    """``(pad, rows)``: the padding mask ``(B, T)`` and the flat indices of the tokens that are not padding, which
+    the feed-forward blocks run on alone; both ``None`` when nothing is padding (see :func:`any_padding`)."""
+    rows = (~pad).flatten().nonzero().squeeze(1)  # the one host sync
+    return (None, None) if rows.numel() == pad.numel() else (pad, rows)

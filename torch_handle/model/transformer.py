@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -14,46 +13,16 @@ from torch_handle.model.cache import DecoderCache
 from torch_handle.model.config import TransformerConfig
 from torch_handle.model.kernels import check_backend
 from torch_handle.model.layers import DecoderLayer, EncoderLayer, make_norm
-from torch_handle.model.masks import MaskSpec, prebuilt
+from torch_handle.model.masks import (
+    DecoderContext,
+    EncoderContext,
+    MaskSpec,
+    any_padding,
+    prebuilt,
+    target_padding,
+    token_rows,
+)
 from torch_handle.model.positions import alibi_slopes, relative_bias, rope_angles, rope_inv_freq, sinusoidal_table
-
-
-class EncoderContext(NamedTuple):
-    """Inputs shared by every encoder layer."""
-
-    spec: MaskSpec
-    rope: tuple[Tensor, Tensor] | None
-    rows: Tensor | None = None  # the source tokens that are not padding, flat indices; None when none is
-
-
-class DecoderContext(NamedTuple):
-    """Inputs shared by every decoder layer."""
-
-    self_spec: MaskSpec
-    cross_spec: MaskSpec
-    rope: tuple[Tensor, Tensor] | None
-    rows: Tensor | None = None  # the decoder inputs that are not padding, flat indices; None when none is
-
-
-def _any_padding(pad: Tensor) -> Tensor | None:
-    """``pad``, or ``None`` when nothing is padding: attention without a mask runs the flash kernel on a GPU, where
-    a mask (even all True) sends SDPA to a slower one. One host sync per encoder or decoder pass, not per layer."""
-    return pad if bool(pad.any()) else None
-
-
-def _target_padding(tgt: Tensor, pad_id: int) -> Tensor:
-    """``(B, T)``: True at the padding of decoder inputs ``tgt``. Padding is on the right, after the start token, which
-    is never padding even where it is ``pad_id`` (Marian starts with it); causal attention hides the rest."""
-    pad = tgt == pad_id
-    pad[:, 0] = False
-    return pad
-
-
-def _tokens(pad: Tensor) -> tuple[Tensor | None, Tensor | None]:
-    """``(pad, rows)``: the padding mask ``(B, T)`` and the flat indices of the tokens that are not padding, which
-    the feed-forward blocks run on alone; both ``None`` when nothing is padding (see :func:`_any_padding`)."""
-    rows = (~pad).flatten().nonzero().squeeze(1)  # the one host sync
-    return (None, None) if rows.numel() == pad.numel() else (pad, rows)
 
 
 class Transformer(nn.Module):
@@ -247,7 +216,7 @@ class Transformer(nn.Module):
         ``bias``, T5's from :meth:`relative_biases`, when computed elsewhere."""
         c = self.config
         window = None if c.encoder_attention == "full" else c.window
-        pad, rows = _tokens(src == c.pad_id)
+        pad, rows = token_rows(src == c.pad_id)
         if halo_padding is None:
             spec = MaskSpec(
                 key_padding=pad,
@@ -287,9 +256,9 @@ class Transformer(nn.Module):
         self_spec = MaskSpec(causal=True, alibi=self._slopes, bias=bias, q_offset=offset)
         return DecoderContext(
             prebuilt(self_spec, length, offset + length),
-            MaskSpec(key_padding=_any_padding(memory_padding)),
+            MaskSpec(key_padding=any_padding(memory_padding)),
             self._rope(offset, tgt.shape[1], tgt.device),
-            None if cached else _tokens(_target_padding(tgt, self.config.pad_id))[1],
+            None if cached else token_rows(target_padding(tgt, self.config.pad_id))[1],
         )
 
     def run_decoder(self, x: Tensor, memory: Tensor, context: DecoderContext, layers: range | None = None) -> Tensor:
@@ -345,7 +314,7 @@ class Transformer(nn.Module):
         cache.rope = self._rope(0, capacity, device)
         # One spare key column, as the key buffers keep (see KVCache.append): a window never spans the whole table.
         cache.bias = self._relative(False, capacity, capacity + 1)
-        cache.cross_spec = MaskSpec(key_padding=_any_padding(memory_padding))
+        cache.cross_spec = MaskSpec(key_padding=any_padding(memory_padding))
         return cache
 
     def decode(
