@@ -8,6 +8,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from tests.helpers import pretrained_folder
+
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "finetune.ipynb"
 
@@ -27,10 +29,12 @@ def test_notebook_has_a_parameters_cell_reading_the_checkpoint_from_the_environm
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("start", ["checkpoint", "hf-folder"])
 def test_notebook_fine_tunes_a_checkpoint_and_prints_a_translation(
-    tiny_demo_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    start: str, tiny_demo_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    checkpoint = tiny_demo_run / "checkpoints" / "last.ckpt"
+    """From our demo run's checkpoint, and from a Hugging Face BART folder (``init_from``)."""
+    checkpoint = tiny_demo_run / "checkpoints" / "last.ckpt" if start == "checkpoint" else pretrained_folder("bart")
     # The kernel is a child process: it inherits these. One thread, as the other tests run tiny models.
     monkeypatch.setenv("TORCH_HANDLE_CKPT", str(checkpoint))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
