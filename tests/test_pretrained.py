@@ -454,3 +454,24 @@ def test_hf_export_names_the_obstacle(tmp_path: Path) -> None:
     expected = "sinusoid_layout='interleaved': no Hugging Face family expresses it (the nearest, marian, needs "
     with pytest.raises(ExportError, match=re.escape(expected + "sinusoid_layout='halves')")):
         write_hf(model, None, None, tmp_path)  # type: ignore[arg-type] - refused before either is read
+
+
+def assert_bf16_as_close_as_transformers(path: Path, hf: object, tok: object, length: int = 6, **extra: object) -> None:
+    """Under bf16 autocast our logits stay as close to the fp32 logits as transformers' own bf16 logits do (within
+    twice their error): the same precision, no new loss of it. ``extra``: more inputs for transformers' model."""
+    ours, _, _ = load_pretrained(path)
+    ours.eval()
+    batch = tok(TEXTS, return_tensors="pt", padding=True)
+    start = hf.config.decoder_start_token_id
+    tgt = torch.cat([torch.full((len(TEXTS), 1), start), torch.randint(4, 100, (len(TEXTS), length))], dim=1)
+    with torch.no_grad():
+        reference = hf(**batch, decoder_input_ids=tgt, **extra).logits
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            theirs = hf(**batch, decoder_input_ids=tgt, **extra).logits.float()
+            mine = ours(batch["input_ids"], tgt).float()
+    their_error, my_error = ((x - reference).abs().max().item() for x in (theirs, mine))
+    assert 0 < my_error <= 2 * their_error, f"bf16 logits off fp32 by {my_error}, transformers' by {their_error}"
+
+
+def test_bf16_autocast_logits_are_as_close_as_transformers(folder: tuple[Path, object, object]) -> None:
+    assert_bf16_as_close_as_transformers(*folder)

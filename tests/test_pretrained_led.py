@@ -16,6 +16,7 @@ import torch_handle
 from tests.test_pretrained import (
     TEXTS,
     _tokenizer,
+    assert_bf16_as_close_as_transformers,
     assert_first_loss_matches,
     assert_generate_matches,
     assert_round_trip,
@@ -215,3 +216,9 @@ def test_every_trainable_parameter_gets_a_gradient(folder: tuple[Path, object, o
     frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
     assert missing == []
     assert all("global_proj" in name for name in frozen) and bool(frozen) == (global_tokens == 0)
+
+
+def test_bf16_autocast_logits_are_as_close_as_transformers(folder: tuple[Path, object, object]) -> None:
+    path, hf, tok = folder
+    mask = _global(tok(TEXTS, padding=True, return_tensors="pt")["input_ids"])  # the first token, as global_tokens
+    assert_bf16_as_close_as_transformers(path, hf, tok, global_attention_mask=mask)

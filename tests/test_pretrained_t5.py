@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from tests.test_pretrained import (
     TEXTS,
     WORDS,
+    assert_bf16_as_close_as_transformers,
     assert_first_loss_matches,
     assert_generate_matches,
     assert_logits_match,
@@ -168,3 +169,7 @@ def test_a_bucket_distance_inside_the_exact_buckets_is_refused() -> None:
     TransformerConfig(position="relative", relative_buckets=32, relative_max_distance=128)
     with pytest.raises(ConfigError, match=r"relative_max_distance > relative_buckets // 2, got 32 and 8$"):
         TransformerConfig(position="relative", relative_buckets=32, relative_max_distance=8)
+
+
+def test_bf16_autocast_logits_are_as_close_as_transformers(folder: tuple[Path, object, object]) -> None:
+    assert_bf16_as_close_as_transformers(*folder)
