@@ -230,8 +230,7 @@ _MEMORY_PROBE = textwrap.dedent(
     """
     import re, sys
     import torch
-    from torch_handle.model import kernels, masks
-from torch_handle.model.kernels import BackendUnavailableError, attend
+    from torch_handle.model.kernels import BackendUnavailableError, attend
     from torch_handle.model.masks import MaskSpec
 
     def status_kib(field):
