@@ -339,8 +339,6 @@ def reference_args(name: str, root: Path, *extra: str, pretrained: bool = True) 
     # relative positions have no max_len to cut sources to: TINY's is the data's.
     init_from = ["--model.init_from", str(pretrained_folder("t5")), "--data.init_args.max_tokens", "256"]
     init_from = [*init_from, "--data.init_args.max_source_tokens", "64"] if pretrained else []
-    if "--ckpt_path" in extra:  # a checkpoint holds the architecture: init_from with one is refused
-        init_from = init_from[2:]
     return [
         "fit",
         *strategy_args(name),

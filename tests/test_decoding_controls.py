@@ -341,6 +341,17 @@ def test_controls_typed_for_test_or_predict_override_the_checkpoints() -> None:
         assert merged == {**saved, "no_repeat_ngram_size": 3, "transformer": {"d_model": 32}} and not notes
 
 
+def test_a_runs_own_command_with_ckpt_path_resumes_it_despite_init_from() -> None:
+    """``fit --model.init_from FOLDER`` killed, then the same command with ``--ckpt_path last``: the checkpoint's
+    weights supersede the folder (it keeps ``init_from=None``), so the option is no contradiction, and unused."""
+    from torch_handle.hparams import merge_checkpoint_options
+
+    checkpoint = {"init_from": None, "transformer": {"d_model": 32}}
+    parsed = {"init_from": "bart-base/", "transformer": {"d_model": 32}}
+    merged, notes = merge_checkpoint_options(checkpoint, parsed, {"init_from"}, set(), "last.ckpt")
+    assert merged == checkpoint and not notes
+
+
 @pytest.mark.parametrize(("processes", "seed", "expected"), [(1, None, None), (2, None, 12345), (2, 7, 7)])
 def test_seedless_sampling_on_several_processes_takes_rank_zeros_seed(
     processes: int, seed: int | None, expected: int | None

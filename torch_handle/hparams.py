@@ -37,6 +37,10 @@ RUNTIME = frozenset(
 LINKED = frozenset({"vocab_size"})
 """Set from the data module's tokenizer, never typed."""
 
+SUPERSEDED = frozenset({"init_from"})
+"""Where training started: a checkpoint's weights supersede it, so a run's own command with ``--ckpt_path`` resumes
+it (the checkpoint keeps None, and its weights)."""
+
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     """``{"transformer": {"d_model": 32}}`` -> ``{"transformer.d_model": 32}``."""
@@ -90,7 +94,7 @@ def merge_checkpoint_options(
     saved, current = flatten(checkpoint), flatten(parsed)
     merged, notes = dict(saved), []
     for key, value in saved.items():
-        if key in LINKED or key not in current:
+        if key in LINKED or key in SUPERSEDED or key not in current:
             continue
         if key in RUNTIME:
             continue
