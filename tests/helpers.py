@@ -331,14 +331,19 @@ def strategy_args(name: str) -> list[str]:
     return ["--config", STRATEGY_CONFIGS[name], "--trainer.accelerator", "cpu"]
 
 
+def pretrained_args() -> list[str]:
+    """``fit`` options that start the demo from the tiny T5 folder (:func:`pretrained_folder`), as reference runs do."""
+    # A word per token makes fewer tokens than TINY's BPE: smaller batches keep the STEPS steps in one epoch. T5's
+    # relative positions have no max_len to cut sources to: TINY's is the data's.
+    data = ["--data.init_args.max_tokens", "256", "--data.init_args.max_source_tokens", "64"]
+    return ["--model.init_from", str(pretrained_folder("t5")), *data]
+
+
 def reference_args(name: str, root: Path, *extra: str, pretrained: bool = True) -> list[str]:
     """The full ``cli.py fit`` command of a strategy's reference run (used again, with extras, to resume): with
     ``pretrained``, started from a tiny T5 folder (:func:`pretrained_folder`), so that every strategy's parity with
     one process holds for an imported model and T5's relative positions, RMSNorm and gated feed-forward."""
-    # A word per token makes fewer tokens than TINY's BPE: smaller batches keep the STEPS steps in one epoch. T5's
-    # relative positions have no max_len to cut sources to: TINY's is the data's.
-    init_from = ["--model.init_from", str(pretrained_folder("t5")), "--data.init_args.max_tokens", "256"]
-    init_from = [*init_from, "--data.init_args.max_source_tokens", "64"] if pretrained else []
+    init_from = pretrained_args() if pretrained else []
     return [
         "fit",
         *strategy_args(name),

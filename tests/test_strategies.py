@@ -25,6 +25,7 @@ from tests.helpers import (
     env,
     fit_args,
     free_port,
+    pretrained_args,
     reference_args,
     reference_run,
     strategy_args,
@@ -149,7 +150,7 @@ def test_two_nodes_on_localhost_train_as_ddp(base: Path, tmp_path: Path) -> None
     port = free_port()
     command = [
         "fit",
-        *fit_args(tmp_path, "--trainer.max_steps", "3")[1:],
+        *fit_args(tmp_path, "--trainer.max_steps", "3")[1:], *pretrained_args(),  # as the DDP reference run
         "--trainer.accelerator", "cpu", "--trainer.strategy", "ddp",
         "--trainer.num_nodes", "2", "--trainer.devices", "1",
     ]  # fmt: skip
