@@ -144,13 +144,19 @@ def test_encoder_output_and_logits_match_transformers(saved: tuple[Path, object,
     assert_logits_match(*saved, length=6)
 
 
-def assert_logits_match(path: Path, hf: object, tok: object, length: int) -> None:
-    """Our encoder output and logits for ``TEXTS`` and ``length`` random decoder inputs equal transformers'."""
+def _model_and_inputs(path: Path, hf: object, tok: object, length: int) -> tuple[Transformer, dict, torch.Tensor]:
+    """Our model of the folder (eval mode), transformers' batch of ``TEXTS``, and ``length`` random decoder inputs
+    after the decoder's start token."""
     ours, _, _ = load_pretrained(path)
-    ours.eval()
     batch = tok(TEXTS, return_tensors="pt", padding=True)
     start = hf.config.decoder_start_token_id
     tgt = torch.cat([torch.full((len(TEXTS), 1), start), torch.randint(4, 100, (len(TEXTS), length))], dim=1)
+    return ours.eval(), batch, tgt
+
+
+def assert_logits_match(path: Path, hf: object, tok: object, length: int) -> None:
+    """Our encoder output and logits for ``TEXTS`` and ``length`` random decoder inputs equal transformers'."""
+    ours, batch, tgt = _model_and_inputs(path, hf, tok, length)
     with torch.no_grad():
         hf_out = hf(**batch, decoder_input_ids=tgt)
         memory = ours.encode(batch["input_ids"])
@@ -459,11 +465,7 @@ def test_hf_export_names_the_obstacle(tmp_path: Path) -> None:
 def assert_bf16_as_close_as_transformers(path: Path, hf: object, tok: object, length: int = 6, **extra: object) -> None:
     """Under bf16 autocast our logits stay as close to the fp32 logits as transformers' own bf16 logits do (within
     twice their error): the same precision, no new loss of it. ``extra``: more inputs for transformers' model."""
-    ours, _, _ = load_pretrained(path)
-    ours.eval()
-    batch = tok(TEXTS, return_tensors="pt", padding=True)
-    start = hf.config.decoder_start_token_id
-    tgt = torch.cat([torch.full((len(TEXTS), 1), start), torch.randint(4, 100, (len(TEXTS), length))], dim=1)
+    ours, batch, tgt = _model_and_inputs(path, hf, tok, length)
     with torch.no_grad():
         reference = hf(**batch, decoder_input_ids=tgt, **extra).logits
         with torch.autocast("cpu", dtype=torch.bfloat16):
