@@ -23,7 +23,9 @@ from torch_handle.cli import main
 from torch_handle.ctranslate2 import ExportError
 from torch_handle.data.batching import Collator, Example
 from torch_handle.data.tokenizer import Tokenizer
+from torch_handle.export import Decoding
 from torch_handle.export.__main__ import main as export_main
+from torch_handle.export.write import write_exported
 from torch_handle.model import Transformer, TransformerConfig, generate
 from torch_handle.module import Seq2SeqModule
 from torch_handle.pretrained import load_pretrained, pretrained_tokenizer
@@ -69,8 +71,14 @@ def _marian() -> tuple[object, object]:
 def marian_model(tok: object, positions: int = SIZE["max_position_embeddings"]) -> tuple[object, object]:
     """A random opus-mt-like model for the Marian tokenizer ``tok``: ``</s>`` 0, ``<pad>`` its decoder start."""
     pad = tok.pad_token_id
+    sizes = {"vocab_size": len(tok)}
+    if getattr(
+        tok, "separate_vocabs", False
+    ):  # two embeddings: the source's and the target's, which the output layer shares
+        sizes = {"vocab_size": len(tok.encoder), "decoder_vocab_size": len(tok.target_encoder)}
+        sizes["share_encoder_decoder_embeddings"] = False
     config = transformers.MarianConfig(
-        vocab_size=len(tok), pad_token_id=pad, decoder_start_token_id=pad, eos_token_id=0, forced_eos_token_id=0,
+        **sizes, pad_token_id=pad, decoder_start_token_id=pad, eos_token_id=0, forced_eos_token_id=0,
         activation_function="swish", scale_embedding=True, **(SIZE | {"max_position_embeddings": positions}),
     )  # fmt: skip
     model = transformers.MarianMTModel(config)
@@ -150,7 +158,13 @@ def _model_and_inputs(path: Path, hf: object, tok: object, length: int) -> tuple
     ours, _, _ = load_pretrained(path)
     batch = tok(TEXTS, return_tensors="pt", padding=True)
     start = hf.config.decoder_start_token_id
-    tgt = torch.cat([torch.full((len(TEXTS), 1), start), torch.randint(4, 100, (len(TEXTS), length))], dim=1)
+    tgt = torch.cat(
+        [
+            torch.full((len(TEXTS), 1), start),
+            torch.randint(4, min(100, ours.config.tgt_vocab_size), (len(TEXTS), length)),
+        ],
+        dim=1,
+    )
     return ours.eval(), batch, tgt
 
 
@@ -406,17 +420,24 @@ def test_fit_init_from_then_test_and_load(tmp_path: Path) -> None:
     back_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     out = back.generate(**back_tok(TEXTS, return_tensors="pt", padding=True), num_beams=4, max_length=12)
     assert texts == [text.strip() for text in back_tok.batch_decode(out, skip_special_tokens=True)]
+    export_main([str(run / "checkpoints" / "last.ckpt"), str(tmp_path / "ct2"), "--format", "ctranslate2"])
+    assert {"model.bin", "shared_vocabulary.json", "tokenizer.json"} <= {p.name for p in (tmp_path / "ct2").iterdir()}
 
 
-def test_ctranslate2_export_names_an_imported_option() -> None:
-    from torch_handle.ctranslate2 import unsupported
-
-    config = TransformerConfig(norm_first=True, layernorm_embedding=True)
-    assert unsupported(config) == (
-        "layernorm_embedding=True: this export writes torch-handle's own architecture; convert an imported Hugging "
-        "Face model from its folder with CTranslate2's ct2-transformers-converter"
+def test_ctranslate2_export_names_an_imported_option_no_family_expresses(tmp_path: Path) -> None:
+    """Our own layout lacks an imported option, and the mix is no family's: one line, nothing written."""
+    tokenizer = Tokenizer.train(["a b c"] * 3, 260)
+    config = TransformerConfig(norm_first=True, layernorm_embedding=True, src_vocab_size=260, tgt_vocab_size=260)
+    weights = {name: t.clone() for name, t in Transformer(config).state_dict().items()}
+    exported = tmp_path / "model.safetensors"
+    write_exported(weights, config, tokenizer.to_str(), Decoding(), exported)
+    with pytest.raises(SystemExit) as error:
+        export_main([str(exported), str(tmp_path / "ct2"), "--format", "ctranslate2"])
+    assert error.value.code == (
+        "error: layernorm_embedding=True: torch-handle's own CTranslate2 layout lacks it, and no Hugging Face family "
+        "that CTranslate2 converts (BART, mBART, Marian, T5) expresses this model"
     )
-    assert unsupported(TransformerConfig(norm_first=True)) is None
+    assert not (tmp_path / "ct2").exists()
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

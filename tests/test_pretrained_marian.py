@@ -53,30 +53,47 @@ def _spm(sentences: list[str], vocab_size: int) -> bytes:
     return model.getvalue()
 
 
-def _tokenizer(folder: Path) -> transformers.MarianTokenizer:
+def _tokenizer(folder: Path, separate: bool = False) -> transformers.MarianTokenizer:
     """Source and target sentencepiece models of different sizes (so they cut a text differently) over one
-    ``vocab.json`` of both models' pieces, Marian's layout: ``</s>`` 0, ``<unk>`` 1, ``<pad>`` last."""
+    ``vocab.json`` of both models' pieces, Marian's layout: ``</s>`` 0, ``<unk>`` 1, ``<pad>`` last. ``separate``:
+    ``vocab.json`` of the source model's pieces and ``target_vocab.json`` of the target model's, ``<pad>`` 2 in both."""
     rng = random.Random(0)
     folder.mkdir(parents=True, exist_ok=True)
-    pieces: dict[str, None] = {}
+    pieces: dict[str, dict[str, None]] = {}
     dropped: set[str] = set()
     for name, size in (("source.spm", 150), ("target.spm", 60)):
         sentences = [" ".join(rng.choices(WORDS, k=6)) for _ in range(400)]
         (folder / name).write_bytes(_spm(sentences, size))
         model = spm.SentencePieceProcessor(model_file=str(folder / name))
-        pieces |= dict.fromkeys(model.id_to_piece(i) for i in range(model.get_piece_size()))
+        pieces[name] = dict.fromkeys(model.id_to_piece(i) for i in range(model.get_piece_size()))
         if name == "source.spm":
             dropped = set(model.encode(DROPPED, out_type=str))
-    words = [p for p in pieces if p not in ("<unk>", "</s>", *dropped)]
-    vocab = {token: i for i, token in enumerate(["</s>", "<unk>", ">>de<<", *words, "<pad>"])}
-    (folder / "vocab.json").write_text(json.dumps(vocab))
-    return transformers.MarianTokenizer(*(str(folder / name) for name in ("source.spm", "target.spm", "vocab.json")))
+
+    def vocab(*models: str) -> dict[str, int]:
+        words = [p for m in models for p in pieces[m] if p not in ("<unk>", "</s>", *dropped)]
+        tokens = (
+            ["</s>", "<unk>", "<pad>", ">>de<<", *words] if separate else ["</s>", "<unk>", ">>de<<", *words, "<pad>"]
+        )
+        return {token: i for i, token in enumerate(dict.fromkeys(tokens))}
+
+    files = [str(folder / name) for name in ("source.spm", "target.spm", "vocab.json")]
+    if not separate:
+        (folder / "vocab.json").write_text(json.dumps(vocab("source.spm", "target.spm")))
+        return transformers.MarianTokenizer(*files)
+    (folder / "vocab.json").write_text(json.dumps(vocab("source.spm")))
+    (folder / "target_vocab.json").write_text(json.dumps(vocab("target.spm")))
+    return transformers.MarianTokenizer(
+        *files, target_vocab_file=str(folder / "target_vocab.json"), separate_vocabs=True
+    )
 
 
-def _folder(path: Path, spm_folder: Path, pad_bias: float, positions: int = 64) -> tuple[Path, object, object]:
+def _folder(
+    path: Path, spm_folder: Path, pad_bias: float, positions: int = 64, separate: bool = False
+) -> tuple[Path, object, object]:
     """A tiny opus-mt folder as the hub holds it; ``pad_bias`` added to ``<pad>``'s logit (a trained model's is far
     below the rest: padding is never a target, and opus-mt's ``bad_words_ids`` rules it out)."""
-    path, hf, tok = _save("marian", "safetensors", path, lambda: marian_model(_tokenizer(spm_folder), positions))
+    build = lambda: marian_model(_tokenizer(spm_folder, separate), positions)  # noqa: E731
+    path, hf, tok = _save("marian", "safetensors", path, build)
     with torch.no_grad():
         hf.final_logits_bias[0, tok.pad_token_id] += pad_bias
     hf.save_pretrained(path)
@@ -87,6 +104,13 @@ def _folder(path: Path, spm_folder: Path, pad_bias: float, positions: int = 64) 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object, object]:
     return _folder(tmp_path_factory.mktemp("opus-mt"), tmp_path_factory.mktemp("spm"), pad_bias=-20.0)
+
+
+@pytest.fixture(scope="module")
+def separate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object, object]:
+    """An opus-mt folder with separate vocabularies: ``vocab.json`` for sources, ``target_vocab.json`` for targets."""
+    path = tmp_path_factory.mktemp("opus-mt-separate")
+    return _folder(path, tmp_path_factory.mktemp("spm-separate"), pad_bias=-20.0, separate=True)
 
 
 def test_sources_and_targets_encode_as_marian_tokenizer(folder: tuple[Path, object, object]) -> None:
@@ -119,6 +143,38 @@ def test_a_forged_marian_tokenizer_in_a_checkpoint_is_one_line(folder: tuple[Pat
     saved["marian"]["models"]["target.spm"] = "not base64!"
     with pytest.raises(DataError, match=r"^not a tokenizer JSON \(a sentencepiece model that is not base64: "):
         Tokenizer.from_str(json.dumps(saved))
+
+
+def test_separate_vocabularies_encode_decode_and_translate_as_transformers(
+    separate: tuple[Path, object, object], tmp_path: Path
+) -> None:
+    """Sources take their ids from ``vocab.json``, targets from ``target_vocab.json``; outputs decode through the
+    target's; the model (two embeddings) translates as ``generate`` does, and ``--format hf`` writes it back."""
+    path, hf, tok = separate
+    assert hf.config.vocab_size != hf.config.decoder_vocab_size and not hf.config.share_encoder_decoder_embeddings
+    tokenizer = pretrained_tokenizer(path)
+    texts, eos = TEXTS + MORE_TEXTS, [tok.eos_token_id]
+    assert [ids + eos for ids in tokenizer.encode_batch(texts)] == tok(texts)["input_ids"]
+    assert [ids + eos for ids in tokenizer.encode_target_batch(texts)] == tok(text_target=texts)["input_ids"]
+    assert tokenizer.vocab_size == hf.config.decoder_vocab_size
+    rows = tok(text_target=texts)["input_ids"]
+    assert tokenizer.decode_batch(rows) == tok.batch_decode(rows, skip_special_tokens=True)
+    restored = Tokenizer.from_str(tokenizer.to_str())
+    assert restored.encode_target_batch(texts) == tokenizer.encode_target_batch(texts)
+    assert_logits_match(*separate, length=6)
+    assert_generate_matches_transformers(separate, num_beams=4)
+    assert_round_trip(*separate, tmp_path / "out")
+    assert (tmp_path / "out" / "target_vocab.json").is_file()
+
+
+def test_separate_vocabularies_without_target_vocab_json_is_one_line(
+    separate: tuple[Path, object, object], tmp_path: Path
+) -> None:
+    for file in separate[0].iterdir():
+        if file.name != "target_vocab.json":
+            (tmp_path / file.name).write_bytes(file.read_bytes())
+    with pytest.raises(DataError, match="^.* has separate vocabularies but no target_vocab.json: download the model"):
+        torch_handle.load(tmp_path)
 
 
 def test_logits_match_transformers(folder: tuple[Path, object, object]) -> None:

@@ -86,8 +86,8 @@ def unsupported(config: TransformerConfig) -> str | None:
     if imported:  # options of imported Hugging Face models (torch_handle.pretrained)
         name, value = next(iter(imported.items()))
         return (
-            f"{name}={value!r}: this export writes torch-handle's own architecture; convert an imported Hugging "
-            "Face model from its folder with CTranslate2's ct2-transformers-converter"
+            f"{name}={value!r}: torch-handle's own CTranslate2 layout lacks it, and no Hugging Face family that "
+            "CTranslate2 converts (BART, mBART, Marian, T5) expresses this model"
         )
     return None
 

@@ -1,6 +1,7 @@
 """Marian's (opus-mt's) tokenizer from its sentencepiece files, as ``transformers.MarianTokenizer`` reads them: sources
 cut into pieces by ``source.spm``, targets by ``target.spm``, and every piece given its id in ``vocab.json`` (a piece
-that file lacks is ``<unk>``), so that ids match the model's embeddings.
+that file lacks is ``<unk>``), so that ids match the model's embeddings. A model with separate vocabularies
+(``separate_vocabs`` in ``tokenizer_config.json``) gives target pieces their ids in ``target_vocab.json``.
 
 Each ``.spm`` file becomes a ``tokenizers`` pipeline through transformers' own converter (the ``pretrained`` extra);
 a ``.spm`` file is a protobuf message, parsed as data: a damaged or hostile one is refused in one line.
@@ -19,15 +20,18 @@ from tokenizers import Tokenizer as _HFTokenizer
 
 from torch_handle.data.tokenizer import MAX_TOKEN_ID, Specials, Tokenizer, check_ids, until_eos
 from torch_handle.errors import DataError
+from torch_handle.jsonfiles import json_object
 
-SOURCE, TARGET, VOCAB = "source.spm", "target.spm", "vocab.json"
+SOURCE, TARGET, VOCAB, TARGET_VOCAB = "source.spm", "target.spm", "vocab.json", "target_vocab.json"
+_AGAIN = "download the model's folder again"
 _UNIGRAM = 1  # sentencepiece's TrainerSpec.model_type of a unigram model, opus-mt's
 
 
 class PieceTokenizer(Tokenizer):
-    """Two sentencepiece pipelines (source and target) over one ``vocab.json``: Marian's tokenizer.
+    """Two sentencepiece pipelines (source and target) over ``vocab.json`` (and ``target_vocab.json`` for targets when
+    the vocabularies are separate): Marian's tokenizer.
 
-    Pieces are ids through ``vocab.json``, not the pipelines' own ids, as in ``MarianTokenizer``; a leading language
+    Pieces are ids through the vocabularies, not the pipelines' own ids, as in ``MarianTokenizer``; a leading language
     code (``>>fr<<``, multilingual opus-mt) is one token.
     """
 
@@ -38,6 +42,7 @@ class PieceTokenizer(Tokenizer):
         vocab: dict[str, int],
         specials: Specials,
         models: dict[str, bytes],
+        target_vocab: dict[str, int] | None = None,
     ) -> None:
         """Use :func:`read_marian` or :meth:`Tokenizer.from_str`.
 
@@ -47,20 +52,32 @@ class PieceTokenizer(Tokenizer):
             vocab: The id of each piece (``vocab.json``); it holds ``<unk>``.
             specials: The model's special tokens.
             models: The bytes of ``source.spm`` and ``target.spm``, which :meth:`write_folder` writes back.
+            target_vocab: The id of each target piece (``target_vocab.json``) when the vocabularies are separate.
         """
-        if "<unk>" not in vocab:
-            raise DataError(f"{VOCAB} has no <unk>: pass the vocab.json of the model's folder")
+        for name, table in ((VOCAB, vocab), (TARGET_VOCAB, target_vocab)):
+            if table is not None and "<unk>" not in table:
+                raise DataError(f"{name} has no <unk>: pass the {name} of the model's folder")
+        if target_vocab is not None and vocab.get("</s>") != specials.eos_id:
+            raise DataError(
+                f"{VOCAB} gives </s> the id {vocab.get('</s>')}, the model ends sources with {specials.eos_id}: "
+                "only separate vocabularies that agree on </s> are read"
+            )
         super().__init__(source, specials)
         self._target = target
         self.vocab = vocab
+        self.target_vocab = target_vocab
         self.models = models
         self.unk_id = vocab["<unk>"]
-        self._pieces = {i: piece for piece, i in vocab.items()}
-        self._skipped = {specials.pad_id, specials.eos_id, self.unk_id}  # MarianTokenizer's special ids
+        targets = vocab if target_vocab is None else target_vocab
+        self._target_unk = targets["<unk>"]
+        self._pieces = {i: piece for piece, i in targets.items()}
+        self._skipped = {specials.pad_id, specials.eos_id, self._target_unk}  # MarianTokenizer's special ids
 
     @property
     def vocab_size(self) -> int:
-        return max(len(self.vocab), max(self.vocab.values(), default=-1) + 1)  # ids with gaps: the largest + 1
+        """The target vocabulary's size, the model's output (ids with gaps: the largest + 1)."""
+        targets = self.vocab if self.target_vocab is None else self.target_vocab
+        return max(len(targets), max(targets.values(), default=-1) + 1)
 
     @property
     def mask_id(self) -> int | None:
@@ -77,6 +94,7 @@ class PieceTokenizer(Tokenizer):
                     "source": self.backend.to_str(),
                     "target": self._target.to_str(),
                     "vocab": self.vocab,
+                    **({} if self.target_vocab is None else {"target_vocab": self.target_vocab}),
                     "models": {name: base64.b64encode(data).decode("ascii") for name, data in self.models.items()},
                 },
             }
@@ -87,8 +105,11 @@ class PieceTokenizer(Tokenizer):
         for name, data in self.models.items():
             (out / name).write_bytes(data)
         (out / VOCAB).write_text(json.dumps(self.vocab, ensure_ascii=False, indent=2), encoding="utf-8")
-        names = {"pad_token": self.pad_id, "eos_token": self.eos_id, "unk_token": self.unk_id}
+        names = {"pad_token": self.pad_id, "eos_token": self.eos_id, "unk_token": self._target_unk}
         config = {"tokenizer_class": "MarianTokenizer"} | {name: self._pieces[i] for name, i in names.items()}
+        if self.target_vocab is not None:
+            (out / TARGET_VOCAB).write_text(json.dumps(self.target_vocab, ensure_ascii=False, indent=2), "utf-8")
+            config["separate_vocabs"] = True
         (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
 
     @classmethod
@@ -96,8 +117,10 @@ class PieceTokenizer(Tokenizer):
         """Rebuilds what :meth:`to_str` wrote (``parts``: its ``marian`` object), checking every id."""
         if not isinstance(parts, dict) or not isinstance(parts.get("vocab"), dict):
             raise DataError("not a tokenizer JSON (a marian entry without a vocab)")
-        vocab = parts["vocab"]
-        for piece, id_ in vocab.items():
+        vocab, target_vocab = parts["vocab"], parts.get("target_vocab")
+        if target_vocab is not None and not isinstance(target_vocab, dict):
+            raise DataError("not a tokenizer JSON (a marian target_vocab that is not an object)")
+        for piece, id_ in (vocab | (target_vocab or {})).items():
             if not isinstance(id_, int) or isinstance(id_, bool) or not 0 <= id_ <= MAX_TOKEN_ID:
                 raise DataError(f"not a tokenizer JSON (piece {piece!r} has id {id_!r}, outside 0-{MAX_TOKEN_ID})")
         backends = []
@@ -117,24 +140,26 @@ class PieceTokenizer(Tokenizer):
             data = {name: base64.b64decode(text, validate=True) for name, text in models.items()}
         except (TypeError, ValueError) as err:
             raise DataError(f"not a tokenizer JSON (a sentencepiece model that is not base64: {err})") from None
-        return cls(*backends, vocab, specials, data)
+        return cls(*backends, vocab, specials, data, target_vocab)
 
     def encode(self, text: str) -> list[int]:
         return self.encode_batch([text])[0]
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return self._ids(self.backend, texts)
+        return self._ids(self.backend, self.vocab, texts)
 
     def encode_target_batch(self, texts: list[str]) -> list[list[int]]:
-        return self._ids(self._target, texts)
+        return self._ids(self._target, self.vocab if self.target_vocab is None else self.target_vocab, texts)
 
-    def _ids(self, backend: _HFTokenizer, texts: list[str]) -> list[list[int]]:
-        """The ``vocab.json`` ids of the pieces ``backend`` cuts ``texts`` into, after a leading language code."""
+    @staticmethod
+    def _ids(backend: _HFTokenizer, vocab: dict[str, int], texts: list[str]) -> list[list[int]]:
+        """The ``vocab`` ids of the pieces ``backend`` cuts ``texts`` into, after a leading language code."""
         codes = [text[: text.find("<<") + 2] if text.startswith(">>") and "<<" in text else "" for text in texts]
         rests = [text[len(code) :] for code, text in zip(codes, texts, strict=True)]
         encodings = backend.encode_batch(rests, add_special_tokens=False)
+        unk = vocab["<unk>"]
         return [
-            [self.vocab.get(piece, self.unk_id) for piece in ([code] if code else []) + encoding.tokens]
+            [vocab.get(piece, unk) for piece in ([code] if code else []) + encoding.tokens]
             for code, encoding in zip(codes, encodings, strict=True)
         ]
 
@@ -147,7 +172,8 @@ class PieceTokenizer(Tokenizer):
 
 
 def read_marian(folder: Path, specials: Specials) -> PieceTokenizer:
-    """The tokenizer of a Marian folder with ``source.spm``, ``target.spm`` and ``vocab.json``.
+    """The tokenizer of a Marian folder with ``source.spm``, ``target.spm`` and ``vocab.json`` (and
+    ``target_vocab.json`` where ``tokenizer_config.json`` says ``separate_vocabs``, as ``MarianTokenizer`` reads it).
 
     Raises:
         DataError: a missing or damaged file, or no ``transformers`` to convert the sentencepiece models; the message
@@ -156,17 +182,15 @@ def read_marian(folder: Path, specials: Specials) -> PieceTokenizer:
     for name in (SOURCE, TARGET, VOCAB):
         if not (folder / name).is_file():
             raise DataError(f"{folder} has no {name}: download the model's whole folder")
-    if (folder / "target_vocab.json").is_file():
-        raise DataError(f"{folder} has a target_vocab.json (separate vocabularies): only a shared vocab.json is read")
-    try:
-        vocab = json.loads((folder / VOCAB).read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise DataError(f"{folder / VOCAB} is not JSON ({err}): download the model's folder again") from None
-    if not isinstance(vocab, dict):
-        raise DataError(f"{folder / VOCAB} holds no JSON object: download the model's folder again")
+    settings = folder / "tokenizer_config.json"
+    separate = settings.is_file() and json_object(settings, DataError, _AGAIN).get("separate_vocabs") is True
+    if separate and not (folder / TARGET_VOCAB).is_file():
+        raise DataError(f"{folder} has separate vocabularies but no {TARGET_VOCAB}: download the model's whole folder")
     encoded = {name: base64.b64encode((folder / name).read_bytes()).decode("ascii") for name in (SOURCE, TARGET)}
-    parts = {"source": _pipeline(folder / SOURCE), "target": _pipeline(folder / TARGET), "vocab": vocab}
-    parts["models"] = encoded
+    parts = {"source": _pipeline(folder / SOURCE), "target": _pipeline(folder / TARGET), "models": encoded}
+    parts["vocab"] = json_object(folder / VOCAB, DataError, _AGAIN)
+    if separate:
+        parts["target_vocab"] = json_object(folder / TARGET_VOCAB, DataError, _AGAIN)
     try:
         return PieceTokenizer.from_parts(parts, specials)
     except DataError as err:

@@ -29,9 +29,12 @@ from torch_handle.checkpoints import (
 )
 from torch_handle.commands import typed_command
 from torch_handle.ctranslate2 import ExportError, check_free, unsupported, vocabulary, write_model
+from torch_handle.data.tokenizer import Tokenizer
 from torch_handle.export.exported import (
     FORMAT,
     Decoding,
+    empty_model,
+    exported_decoding,
     exported_metadata,
     exported_weights,
     is_exported,
@@ -39,7 +42,7 @@ from torch_handle.export.exported import (
     mismatches,
     too_many_layers,
 )
-from torch_handle.model import Transformer, TransformerConfig
+from torch_handle.model import TransformerConfig
 from torch_handle.unpickling import unpickling_only_data
 
 log = logging.getLogger(__name__)
@@ -167,8 +170,16 @@ def export(checkpoint: str | Path, output: str | Path) -> Path:
         output: The file to write; by convention ``*.safetensors``.
     """
     weights, config, tokenizer, decoding = read_model(checkpoint)
-    path = Path(checkpoint)
-    output = Path(output)
+    write_exported(weights, config, tokenizer, decoding, output)
+    log.info("exported %d tensors from %s to %s", len(weights), checkpoint, output)
+    return Path(output)
+
+
+def write_exported(
+    weights: dict[str, Tensor], config: TransformerConfig, tokenizer: str, decoding: Decoding, output: str | Path
+) -> None:
+    """Writes a model's ``weights`` (no two sharing memory) with its config, tokenizer JSON and decoding defaults as
+    the safetensors file ``output``, whole or not at all."""
     metadata = {
         "format": FORMAT,
         "transformer": json.dumps(config.to_dict()),
@@ -177,8 +188,6 @@ def export(checkpoint: str | Path, output: str | Path) -> Path:
     }
     with atomic_path(output) as tmp:  # an interrupted export leaves no file that looks complete
         save_file(weights, tmp, metadata=metadata)
-    log.info("exported %d tensors from %s to %s", len(weights), path, output)
-    return output
 
 
 def export_ctranslate2(checkpoint: str | Path, out_dir: str | Path) -> Path:
@@ -192,11 +201,17 @@ def export_ctranslate2(checkpoint: str | Path, out_dir: str | Path) -> Path:
     if is_exported(checkpoint):
         config, tok = exported_metadata(checkpoint)
         weights, tokenizer = exported_weights(checkpoint), tok.to_str()
+        decoding = exported_decoding(checkpoint, config)
     else:
-        weights, config, tokenizer, _ = read_model(checkpoint)
+        weights, config, tokenizer, decoding = read_model(checkpoint)
     reason = unsupported(config)  # before building the model: a refusal costs nothing
-    if reason is not None:
-        raise ExportError(reason)
-    model = Transformer(config)
+    if reason is not None:  # an imported family's model goes through CTranslate2's own converter
+        from torch_handle.pretrained.ctranslate2 import converted_family, write_converted  # it imports this package
+
+        if converted_family(config)[0] is None:
+            raise ExportError(reason)
+    model = empty_model(config)
     model.load_state_dict(weights, strict=True)
+    if reason is not None:
+        return write_converted(model.eval(), Tokenizer.from_str(tokenizer), decoding, out_dir)
     return write_model(model.eval(), vocabulary(tokenizer), out_dir, tokenizer=tokenizer)

@@ -14,7 +14,7 @@ from torch_handle.pretrained.reader import is_pretrained_folder
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")  # owner/name
 _READ = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
-_READ += ["source.spm", "target.spm", "vocab.json"]  # Marian's sentencepiece tokenizer
+_READ += ["source.spm", "target.spm", "vocab.json", "target_vocab.json"]  # Marian's sentencepiece tokenizer
 _WEIGHTS = (  # safetensors when the repository has them, else the pickled .bin (checked as the reader checks it)
     ["model.safetensors", "model.safetensors.index.json", "model-*.safetensors"],
     ["pytorch_model.bin", "pytorch_model.bin.index.json", "pytorch_model-*.bin"],

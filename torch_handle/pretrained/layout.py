@@ -123,7 +123,9 @@ def hf_names(config: TransformerConfig) -> list[str]:
         return t5.hf_names(config)
     pairs = ("weight", "bias")
     top = "led" if config.encoder_attention == "longformer" else "model"
-    names = [f"{top}.shared.weight", "final_logits_bias", *([] if config.tie_embeddings else ["lm_head.weight"])]
+    names = ["final_logits_bias", *([] if config.tie_embeddings else ["lm_head.weight"])]
+    one_table = [f"{top}.shared.weight"]
+    names += one_table if config.shares_source_embedding else [f"{top}.{side}.embed_tokens.weight" for side in _SIDE]
     attention = [f"{p}_proj.{k}" for p in ("q", "k", "v", "out") for k in pairs]
     longformer = [f"{_LONGFORMER}{p}{g}.{k}" for g in ("", "_global") for p in _LONGFORMER_QKV for k in pairs]
     longformer += [f"self_attn.output.{k}" for k in pairs]

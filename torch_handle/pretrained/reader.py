@@ -7,7 +7,6 @@ weights-only unpickler, which rebuilds tensors and nothing that runs code.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +17,7 @@ from safetensors import safe_open
 from torch import Tensor
 
 from torch_handle.errors import CheckpointError
+from torch_handle.jsonfiles import json_object
 from torch_handle.unpickling import ARCHIVE_MAGIC, archive_pickles, check_globals, head
 
 CONFIG = "config.json"
@@ -36,13 +36,7 @@ def read_json(path: Path, required: bool = True) -> dict[str, Any]:
         if required:
             raise CheckpointError(f"{path} is missing: pass a folder written by save_pretrained")
         return {}
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{path} is not JSON ({err}): pass a folder written by save_pretrained") from None
-    if not isinstance(value, dict):
-        raise CheckpointError(f"{path} holds no JSON object: pass a folder written by save_pretrained")
-    return value
+    return json_object(path, CheckpointError, "pass a folder written by save_pretrained")
 
 
 def _weight_files(folder: Path, name: str) -> list[Path]:

@@ -64,8 +64,13 @@ def hf_family(config: TransformerConfig) -> tuple[str | None, str]:
     if config.position == "relative":
         reason = t5.obstacle(config)
         return (None, reason) if reason else ("t5", "")
-    if not config.shares_source_embedding:
-        return None, "share_source_embedding=False: the families written here share one source and target embedding"
+    family, reason = _nearest_family(config)
+    if family is not None and family != "marian" and not config.shares_source_embedding:
+        return None, "share_source_embedding=False: of the families written here, only Marian has two embeddings"
+    return family, reason
+
+
+def _nearest_family(config: TransformerConfig) -> tuple[str | None, str]:
     nearest: tuple[int, str, str, Any] | None = None
     for family, fixed in _FAMILIES.items():
         wanted = {**fixed, **_COMMON, "final_norm": fixed["norm_first"]}
@@ -105,7 +110,7 @@ def _config_json(config: TransformerConfig, family: str) -> dict[str, Any]:
         "max_position_embeddings": config.max_len,
         "scale_embedding": config.scale_embeddings,
         "tie_word_embeddings": config.tie_embeddings,
-        "share_encoder_decoder_embeddings": True,
+        "share_encoder_decoder_embeddings": config.shares_source_embedding,
         "normalize_before": config.norm_first,
         "pad_token_id": config.pad_id,
         "eos_token_id": config.eos_id,
@@ -169,7 +174,9 @@ def write_hf(model: Transformer, tokenizer: Tokenizer, decoding: Decoding, out_d
     names = {"pad_token": backend.id_to_token(config.pad_id), "eos_token": backend.id_to_token(config.eos_id)}
     if tokenizer.specials.source_prefix:
         names["bos_token"] = backend.id_to_token(tokenizer.specials.source_prefix[0])
-    unk = getattr(backend.model, "unk_token", None)
+    unk = getattr(backend.model, "unk_token", None)  # BPE and WordPiece name it; a Unigram model numbers it
+    unk_id = json.loads(backend.to_str())["model"].get("unk_id") if unk is None else None
+    unk = backend.id_to_token(unk_id) if unk_id is not None else unk
     tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", **names, **({"unk_token": unk} if unk else {})}
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
     return out
@@ -188,6 +195,6 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
     family, reason = hf_family(config)
     if family is None:
         raise ExportError(reason)
-    model = Transformer(config)
+    model = export.empty_model(config)
     model.load_state_dict(weights, strict=True)
     return write_hf(model, tokenizer, decoding, out_dir)
