@@ -343,12 +343,16 @@ def test_controls_typed_for_test_or_predict_override_the_checkpoints() -> None:
 
 def test_a_runs_own_command_with_ckpt_path_resumes_it_despite_init_from() -> None:
     """``fit --model.init_from FOLDER`` killed, then the same command with ``--ckpt_path last``: the checkpoint's
-    weights supersede the folder (it keeps ``init_from=None``), so the option is no contradiction, and unused."""
+    weights supersede the folder (it keeps ``init_from=None``), so the option is no contradiction, and unused: one
+    note says so (typed or in a config)."""
     from torch_handle.hparams import merge_checkpoint_options
 
     checkpoint = {"init_from": None, "transformer": {"d_model": 32}}
     parsed = {"init_from": "bart-base/", "transformer": {"d_model": 32}}
-    merged, notes = merge_checkpoint_options(checkpoint, parsed, {"init_from"}, set(), "last.ckpt")
+    for typed, in_configs in (({"init_from"}, set()), (set(), {"init_from"})):
+        merged, notes = merge_checkpoint_options(checkpoint, parsed, typed, in_configs, "last.ckpt")
+        assert merged == checkpoint and notes == ["its weights, not init_from=bart-base/"]
+    merged, notes = merge_checkpoint_options(checkpoint, checkpoint, set(), set(), "last.ckpt")
     assert merged == checkpoint and not notes
 
 

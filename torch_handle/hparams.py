@@ -94,6 +94,8 @@ def merge_checkpoint_options(
     saved, current = flatten(checkpoint), flatten(parsed)
     merged, notes = dict(saved), []
     for key, value in saved.items():
+        if key in SUPERSEDED and current.get(key) not in (None, value):
+            notes.append(f"its weights, not {key}={current[key]}")
         if key in LINKED or key in SUPERSEDED or key not in current:
             continue
         if key in RUNTIME:
