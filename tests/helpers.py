@@ -62,8 +62,9 @@ _folders: dict[str, Path] = {}
 
 
 def pretrained_folder(family: str) -> Path:
-    """A tiny Hugging Face model folder of ``family``, ``bart`` or ``t5`` (v1.1: relative positions, RMSNorm, a gated
-    feed-forward, an untied output layer), written by transformers with its own initialisation and no dropout, whose
+    """A tiny Hugging Face model folder of ``family``, ``bart``, ``led`` (windows of 4 positions, a global first token)
+    or ``t5`` (v1.1: relative positions, RMSNorm, a gated feed-forward, an untied output layer), written by
+    transformers with its own initialisation and no dropout, whose
     tokenizer holds every word of the demo corpus: the ``--model.init_from`` of the demo runs that compare processes.
     Written once per process into a temporary folder removed at exit."""
     if family not in _folders:
@@ -85,6 +86,15 @@ def pretrained_folder(family: str) -> Path:
                 vocab_size=len(tok), max_position_embeddings=64, dropout=0.0, attention_dropout=0.0, **size
             )
             model = transformers.BartForConditionalGeneration(config)
+        elif family == "led":
+            tok = bart_tokenizer(words)
+            size = {"d_model": 32, "encoder_layers": 1, "decoder_layers": 1, "encoder_attention_heads": 2}
+            size |= {"decoder_attention_heads": 2, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64, "attention_window": 4}
+            config = transformers.LEDConfig(
+                vocab_size=len(tok), max_encoder_position_embeddings=64, max_decoder_position_embeddings=64,
+                dropout=0.0, attention_dropout=0.0, **size,
+            )  # fmt: skip
+            model = transformers.LEDForConditionalGeneration(config)
         else:
             tok = t5_tokenizer(words)
             size = {"d_model": 32, "d_kv": 16, "num_heads": 2, "d_ff": 64, "num_layers": 1}

@@ -435,7 +435,7 @@ def test_ctranslate2_export_names_an_imported_option_no_family_expresses(tmp_pat
         export_main([str(exported), str(tmp_path / "ct2"), "--format", "ctranslate2"])
     assert error.value.code == (
         "error: layernorm_embedding=True: torch-handle's own CTranslate2 layout lacks it, and no Hugging Face family "
-        "that CTranslate2 converts (BART, mBART, Marian, T5) expresses this model"
+        "that CTranslate2 converts (BART, mBART, Marian, PEGASUS, T5) expresses it"
     )
     assert not (tmp_path / "ct2").exists()
 

@@ -31,7 +31,7 @@ def _built(family: str, tmp_path: Path) -> tuple[Path, object, object]:
     return _save(family, "safetensors", tmp_path / "in")
 
 
-@pytest.mark.parametrize("family", ["bart", "mbart", "marian", "t5"])
+@pytest.mark.parametrize("family", ["bart", "mbart", "marian", "pegasus", "t5"])
 def test_a_converted_imported_model_scores_and_translates_as_transformers(family: str, tmp_path: Path) -> None:
     path, hf, tok = _built(family, tmp_path)
     out = write_converted(*load_pretrained(path), tmp_path / "ct2")
@@ -70,12 +70,13 @@ def translator_has_start(out: Path) -> bool:
 
 
 def test_what_ctranslate2_converts_apart_is_refused_in_one_line(tmp_path: Path) -> None:
-    """Marian with separate vocabularies (one vocabulary in CTranslate2) and gated T5 (its conversion scores apart
-    from transformers: measured on this file's model with CTranslate2 4.8.5) are refused before anything is written."""
+    """Marian with separate vocabularies (one vocabulary in CTranslate2) and T5 with its own output layer (converted,
+    its outputs were scaled as a tied layer's: measured with CTranslate2 4.8.5) are refused before anything is
+    written."""
     path, _, _ = _folder(tmp_path / "in", tmp_path / "spm", pad_bias=-20.0, separate=True)
     with pytest.raises(ExportError, match="^separate source and target vocabularies: CTranslate2's Marian"):
         write_converted(*load_pretrained(path), tmp_path / "ct2")
     path, _, _ = _save_t5("t5-v1.1", tmp_path / "t5")
-    with pytest.raises(ExportError, match=r"^gated_ff=True \(T5 v1.1, Flan-T5, mT5\): CTranslate2 4.8's conversion"):
+    with pytest.raises(ExportError, match=r"^tie_embeddings=False \(T5 v1.1, Flan-T5, mT5\): CTranslate2 4.8 scales"):
         write_converted(*load_pretrained(path), tmp_path / "ct2")
     assert not (tmp_path / "ct2").exists()

@@ -26,6 +26,7 @@ from tests.helpers import (
     fit_args,
     free_port,
     pretrained_args,
+    pretrained_folder,
     reference_args,
     reference_run,
     strategy_args,
@@ -62,6 +63,30 @@ def test_loss_curve_and_weights_match_single_process(strategy: str, base: Path) 
     want, _, _ = read_checkpoint(reference_run(SINGLE, base) / "checkpoints" / "last.ckpt")
     got, _, _ = read_checkpoint(reference_run(strategy, base) / "checkpoints" / "last.ckpt")
     assert got.keys() == want.keys()
+    for name in want:
+        distance = torch.linalg.norm(got[name] - want[name]) / torch.linalg.norm(want[name])
+        assert distance <= EXACT, f"{name}: relative distance {distance:.1e} over {EXACT:.0e}"
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_an_imported_led_trains_on_two_processes_as_on_one(strategy: str, tmp_path: Path) -> None:
+    """LED (sliding windows, a global first token with projections of its own) fine-tuned on 2 processes: the loss of
+    every batch and the last weights equal one process's, as for the other families (the T5 reference runs)."""
+    led = ["--model.init_from", str(pretrained_folder("led")), "--data.init_args.max_tokens", "256"]
+    led += ["--data.init_args.max_source_tokens", "60"]  # the folder's 64 positions hold every source
+    runs = {name: tmp_path / name for name in (SINGLE, strategy)}
+    for name, root in runs.items():
+        check(cli(reference_args(name, root, *led, pretrained=False)))
+    expected, actual = (train_losses(root) for root in runs.values())
+    assert list(actual) == list(expected) == list(range(2 * STEPS))
+    for index, loss in expected.items():
+        assert actual[index] == pytest.approx(loss, abs=LOSS_TOLERANCE), f"batch {index}"
+    want, _, _ = read_checkpoint(runs[SINGLE] / "checkpoints" / "last.ckpt")
+    got, _, _ = read_checkpoint(runs[strategy] / "checkpoints" / "last.ckpt")
+    assert got.keys() == want.keys() and any("global_proj" in name for name in want)
     for name in want:
         distance = torch.linalg.norm(got[name] - want[name]) / torch.linalg.norm(want[name])
         assert distance <= EXACT, f"{name}: relative distance {distance:.1e} over {EXACT:.0e}"

@@ -87,7 +87,7 @@ def unsupported(config: TransformerConfig) -> str | None:
         name, value = next(iter(imported.items()))
         return (
             f"{name}={value!r}: torch-handle's own CTranslate2 layout lacks it, and no Hugging Face family that "
-            "CTranslate2 converts (BART, mBART, Marian, T5) expresses this model"
+            "CTranslate2 converts (BART, mBART, Marian, PEGASUS, T5) expresses it"
         )
     return None
 

@@ -24,7 +24,7 @@ def main(args: list[str] | None = None) -> None:
         choices=("safetensors", "ctranslate2", "hf"),
         default="safetensors",
         help="safetensors: one file for torch_handle.load; ctranslate2: a model folder for ctranslate2.Translator "
-        "(needs pip install 'torch-handle[bench]'; an imported BART, mBART, Marian or T5 v1.0 goes through "
+        "(needs pip install 'torch-handle[bench]'; an imported BART, mBART, Marian, PEGASUS or T5 v1.0 goes through "
         "CTranslate2's own converter, which needs transformers; the checkpoint may also be a .safetensors export); "
         "hf: a Hugging "
         "Face folder for transformers' from_pretrained (models of the BART, mBART, Marian, PEGASUS or T5 families)",

@@ -17,8 +17,7 @@ from torch_handle.pretrained.writer import hf_family, write_hf
 
 log = logging.getLogger(__name__)
 
-CONVERTED = ("bart", "mbart", "marian", "t5")  # the families CTranslate2 4.x converts (not PEGASUS: no LayerNorm
-# after its embeddings, which its BART-based loader requires; not LED)
+CONVERTED = ("bart", "mbart", "marian", "pegasus", "t5")  # the families CTranslate2's converter reads (not LED)
 _WEIGHTS = ("model.safetensors", "config.json", "generation_config.json")  # converted; the rest are the tokenizer's
 
 
@@ -29,10 +28,10 @@ def converted_family(config: TransformerConfig) -> tuple[str | None, str]:
         return None, reason
     if family not in CONVERTED:
         return None, f"CTranslate2 has no converter for {family} models: export --format hf and use transformers"
-    if family == "t5" and config.gated_ff:
+    if family == "t5" and not config.tie_embeddings:
         return None, (
-            "gated_ff=True (T5 v1.1, Flan-T5, mT5): CTranslate2 4.8's conversion of these does not score as "
-            "transformers does; export --format hf and use transformers"
+            "tie_embeddings=False (T5 v1.1, Flan-T5, mT5): CTranslate2 4.8 scales T5's output when "
+            "tie_word_embeddings is true, which transformers 5 reports for these too; export --format hf instead"
         )
     if not config.shares_source_embedding:
         return None, (

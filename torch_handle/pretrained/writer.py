@@ -112,6 +112,7 @@ def _config_json(config: TransformerConfig, family: str) -> dict[str, Any]:
         "tie_word_embeddings": config.tie_embeddings,
         "share_encoder_decoder_embeddings": config.shares_source_embedding,
         "normalize_before": config.norm_first,
+        "normalize_embedding": config.layernorm_embedding,  # CTranslate2 reads both; transformers does not
         "pad_token_id": config.pad_id,
         "eos_token_id": config.eos_id,
         "decoder_start_token_id": config.bos_id,
