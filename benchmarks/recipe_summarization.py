@@ -17,6 +17,10 @@ every command.
 A budget is a time limit (``--trainer.max_time``, the learning-rate schedule still spanning the config's epochs), a
 step count (``--trainer.max_steps``, which the schedule then spans), or both (whichever ends first). Options for every
 ``fit`` or every ``test`` go through ``--fit-arg``/``--test-arg`` (e.g. ``--test-arg=--model.num_beams=1``).
+
+Each finished stage is recorded in ``OUT/stages.json``. ``--resume`` (the same command, on the same ``--out``) keeps
+the stages recorded with the same arguments, resumes an unfinished ``fit`` from its run's ``last.ckpt``
+(``--ckpt_path=last``, exact, its time budget counting the time already trained), and runs the rest.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ PRETRAIN_MINUTES, FINETUNE_MINUTES = 80.0, 40.0  # the issue's setting: pretrain
 SCORES = ("ROUGE-1", "ROUGE-2", "ROUGE-L", "GM")
 _SCORE_LINE = re.compile(r"^(?P<label>.+?): (?P<scores>ROUGE-1 \S+.*)$", re.M)
 _CHECKPOINT_LINE = re.compile(r"^checkpoint: (?P<path>.+)$", re.M)
+STAGES = "stages.json"
 
 Cli = Callable[[list[str], Path], str]
 """Runs ``torch-handle ARGS``, its output also into the log file given; returns that output."""
@@ -142,19 +147,37 @@ class Stage:
 
 
 class Recipe:
-    """Runs the stages in order, each logged, timed and kept for the section."""
+    """Runs the stages in order, each logged, timed, kept for the section and recorded in ``OUT/stages.json``."""
 
-    def __init__(self, out: Path, cli: Cli) -> None:
+    def __init__(self, out: Path, cli: Cli, machine: str, resume: bool = False) -> None:
         self.out = out
         self.cli = cli
+        self.machine = machine  # the first invocation's, kept by a resumed one
         self.stages: list[Stage] = []
+        self.done: dict[str, Stage] = {}
+        if resume:
+            record = json.loads((out / STAGES).read_text(encoding="utf-8"))
+            self.machine = record["machine"]
+            self.done = {stage["name"]: Stage(**stage) for stage in record["stages"]}
 
     def run(self, name: str, args: list[str]) -> Stage:
+        kept = self.done.get(name)
+        if kept is not None and kept.args == args:
+            log.info("%s: kept from %s", name, self.out / STAGES)
+            self.stages.append(kept)
+            return kept
         (self.out / "logs").mkdir(parents=True, exist_ok=True)
-        log.info("%s %s: %s", time.strftime("%H:%M:%S"), name, shlex.join(["torch-handle", *args]))
+        root = next((Path(a.split("=", 1)[1]) for a in args if a.startswith("--trainer.default_root_dir=")), None)
+        resumed = args[0] == "fit" and root is not None and (root / "checkpoints" / "last.ckpt").exists()
+        command = [*args, "--ckpt_path=last"] if resumed else args  # an interrupted fit continues exactly
+        log.info("%s %s: %s", time.strftime("%H:%M:%S"), name, shlex.join(["torch-handle", *command]))
         start = time.perf_counter()
-        output = self.cli(args, self.out / "logs" / f"{name.replace('/', '_')}.log")
+        output = self.cli(command, self.out / "logs" / f"{name.replace('/', '_')}.log")
         self.stages.append(Stage(name, args, time.perf_counter() - start, output))
+        stages = list({stage.name: stage for stage in [*self.done.values(), *self.stages]}.values())
+        record = {"machine": self.machine, "stages": [dataclasses.asdict(stage) for stage in stages]}
+        (self.out / f"{STAGES}.tmp").write_text(json.dumps(record, indent=1), encoding="utf-8")
+        os.replace(self.out / f"{STAGES}.tmp", self.out / STAGES)  # never a half-written record
         return self.stages[-1]
 
 
@@ -206,19 +229,25 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "RESULTS.md", help="where to write")
     parser.add_argument("--fit-arg", action="append", default=[], help="an option for every fit, e.g. =--seed=1")
     parser.add_argument("--test-arg", action="append", default=[], help="an option for every test")
+    parser.add_argument(
+        "--resume", action="store_true", help=f"continue an interrupted recipe in --out (its {STAGES}): see above"
+    )
     return parser
 
 
-def _check_files(data: Path, corpora: list[Corpus], out: Path) -> None:
-    """Refuses, in one line, a missing input file or a used run folder, before anything runs."""
+def _check_files(data: Path, corpora: list[Corpus], out: Path, resume: bool) -> None:
+    """Refuses, in one line, a missing input file, a used run folder, or one with nothing to resume, before anything
+    runs."""
     for corpus in corpora:
         for name in (corpus.documents, corpus.documents_val, corpus.train, corpus.val, corpus.test):
             if not (data / corpus.name / name).is_file():
                 raise SystemExit(
                     f"error: {data / corpus.name / name} not found: run torch-handle prepare {corpus.name} --out {data}"
                 )
-    if out.exists() and any(out.iterdir()):
-        raise SystemExit(f"error: {out} is not empty: pass a new --out folder")
+    if resume and not (out / STAGES).is_file():
+        raise SystemExit(f"error: {out} holds no {STAGES}: run without --resume, on a new --out folder")
+    if not resume and out.exists() and any(out.iterdir()):
+        raise SystemExit(f"error: {out} is not empty: pass a new --out folder, or --resume to continue it")
 
 
 def main(argv: Sequence[str] | None = None, cli: Cli = torch_handle_process) -> None:
@@ -230,9 +259,8 @@ def main(argv: Sequence[str] | None = None, cli: Cli = torch_handle_process) -> 
         budget(options.finetune_minutes, options.finetune_steps, FINETUNE_MINUTES),
     )
     corpora = [CORPORA[name] for name in options.corpora]
-    _check_files(options.data, corpora, options.out)
-    machine = _machine()
-    recipe = Recipe(options.out, cli)
+    _check_files(options.data, corpora, options.out, options.resume)
+    recipe = Recipe(options.out, cli, _machine(), options.resume)
     quiet = ["--trainer.enable_progress_bar=false"]
     pretrain = options.out / "pretrain"
     texts = [str(options.data / c.name / c.documents) for c in corpora] + options.text
@@ -278,7 +306,7 @@ def main(argv: Sequence[str] | None = None, cli: Cli = torch_handle_process) -> 
             if checkpoint is None or Path(checkpoint["path"]).name != "last.ckpt":
                 raise SystemExit(f"error: {stage.name} did not score {run}'s last.ckpt: see its log")
         (options.out / "scores.json").write_text(json.dumps(tested, indent=1), encoding="utf-8")
-    write_section(SECTION, _section(argv, options, machine, corpora, recipe, runs, tested, budgets), options.results)
+    write_section(SECTION, _section(argv, options, corpora, recipe, runs, tested, budgets), options.results)
     log.info("wrote the %s section of %s", SECTION, options.results)
 
 
@@ -293,7 +321,6 @@ def _machine() -> str:
 def _section(
     argv: list[str],
     options: argparse.Namespace,
-    machine: str,
     corpora: list[Corpus],
     recipe: Recipe,
     runs: dict[str, dict[str, Path]],
@@ -302,6 +329,7 @@ def _section(
 ) -> str:
     """The RESULTS section: budgets, device, table, verdicts and commands."""
     seconds = {stage.name: stage.seconds for stage in recipe.stages}
+    kept = [stage.name for stage in recipe.stages if recipe.done.get(stage.name) is stage]
     pretrained_steps = global_step(options.out / "pretrain")
     rows = []
     for corpus in corpora:
@@ -322,7 +350,8 @@ def _section(
     return "\n\n".join(
         [
             "## Summarization recipe: denoising pretraining, then fine-tuning, against the same budget from scratch",
-            f"{machine} Finished {time.strftime('%Y-%m-%d %H:%M %Z')}, load average {load_end}.",
+            f"{recipe.machine} Finished {time.strftime('%Y-%m-%d %H:%M %Z')}, load average {load_end}"
+            + (f" (resumed: {', '.join(kept)} kept from the first invocation)." if kept else "."),
             f"Budgets: pretraining {budgets[0]}, then each fine-tuning {budgets[1]}; from scratch, the same "
             f"fine-tuning budget. Test files from `{options.data}` (`torch-handle prepare qmsum|squality`); each run "
             "scored once on its last checkpoint (no selection on test). Settings: "

@@ -126,7 +126,50 @@ def test_missing_files_and_a_used_run_folder_are_refused_in_one_line(tmp_path: P
     (tmp_path / "out" / "pretrain").mkdir()
     with pytest.raises(SystemExit) as exit_info:
         recipe.main(["--data", str(tmp_path), "--corpora", "squality", "--out", str(tmp_path / "out")])
-    assert exit_info.value.code == f"error: {tmp_path}/out is not empty: pass a new --out folder"
+    assert exit_info.value.code == (
+        f"error: {tmp_path}/out is not empty: pass a new --out folder, or --resume to continue it"
+    )
+
+
+def test_an_interrupted_recipe_resumes_where_it_stopped(tmp_path: Path) -> None:
+    """Killed during the second fine-tuning: ``--resume`` keeps the recorded stages, continues that fit from its
+    ``last.ckpt``, tests both runs, and says in the section which stages the first invocation ran."""
+    for name in ("train_plot", "dev_plot", "train_all", "dev_all", "test_all"):
+        (tmp_path / "data" / "squality").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "data" / "squality" / f"{name}.jsonl").touch()
+    calls: list[list[str]] = []
+
+    def cli(args: list[str], log: Path) -> str:
+        calls.append(args)
+        root = Path(next(a.split("=", 1)[1] for a in args if a.startswith("--trainer.default_root_dir=")))
+        if args[0] == "test":
+            scores = "ROUGE-1 20.00  ROUGE-2 4.00  ROUGE-L 10.00  ROUGE-Lsum 18.00  GM 9.28"
+            return f"checkpoint: {root}/checkpoints/last.ckpt\nmodel: {scores}\nLead-100 baseline: {scores}\n"
+        (root / "checkpoints").mkdir(parents=True, exist_ok=True)
+        torch.save({"global_step": 2}, root / "checkpoints" / "last.ckpt")
+        if root.name == "scratch" and "--ckpt_path=last" not in args:
+            raise SystemExit("killed")  # after its first checkpoint
+        return "trained"
+
+    options = ["--data", str(tmp_path / "data"), "--corpora", "squality", "--out", str(tmp_path / "out")]
+    options += ["--pretrain-steps", "2", "--finetune-steps", "2", "--results", str(tmp_path / "RESULTS.md")]
+    with pytest.raises(SystemExit, match="^killed$"):
+        recipe.main(options, cli=cli)
+    recorded = json.loads((tmp_path / "out" / "stages.json").read_text())
+    assert [stage["name"] for stage in recorded["stages"]] == ["pretrain", "squality/pretrained"]
+    with pytest.raises(SystemExit, match="not empty: pass a new --out folder, or --resume to continue it$"):
+        recipe.main(options, cli=cli)
+    calls.clear()
+    recipe.main([*options, "--resume"], cli=cli)
+    assert [(args[0], args[2].rsplit("/", 1)[1]) for args in calls] == [
+        ("fit", "scratch"), ("test", "pretrained"), ("test", "scratch"),
+    ]  # fmt: skip
+    assert calls[0][-1] == "--ckpt_path=last"
+    section = (tmp_path / "RESULTS.md").read_text()
+    assert "(resumed: pretrain, squality/pretrained kept from the first invocation)." in section
+    assert recorded["machine"] in section
+    with pytest.raises(SystemExit, match=f"^error: {tmp_path}/new holds no stages.json: run without --resume"):
+        recipe.main([*options[:4], "--out", str(tmp_path / "new"), "--resume"], cli=cli)
 
 
 def test_budgets_become_fit_options() -> None:
