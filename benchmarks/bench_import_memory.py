@@ -4,6 +4,10 @@
     python benchmarks/bench_import_memory.py                  # a BART-base-sized model, random weights
     python benchmarks/bench_import_memory.py --layers 2 --d-model 256 --vocab 8000   # a quick check
 
+The same model is also exported as our own safetensors file and read back by ``torch_handle.load`` (a tensor at a
+time into an unwritten model), beside the way it was read before: a randomly initialized model, then
+``load_state_dict`` of the whole file.
+
 The parent saves one model with ``save_pretrained``, once as a single ``model.safetensors`` and once in shards of
 ``--shard-mb``; each child imports its libraries, notes its resident memory, loads the folder, reads every parameter
 (so that lazily mapped pages count too), then prints its peak resident memory (``VmHWM``) over that baseline and the
@@ -33,6 +37,18 @@ def child(which: str, folder: Path) -> None:
         base = rss_bytes()
         model = empty_model(pretrained_config(folder)[0])  # what load_pretrained does, its tokenizer aside
         fill(model, read_weights(folder), str(folder))
+    elif which == "export":
+        import torch_handle
+
+        base = rss_bytes()
+        model = torch_handle.load(folder / "model.safetensors").model
+    elif which == "export, whole file":
+        from torch_handle.export import exported_metadata, exported_weights
+        from torch_handle.model import Transformer
+
+        base = rss_bytes()
+        model = Transformer(exported_metadata(folder / "model.safetensors")[0])
+        model.load_state_dict(exported_weights(folder / "model.safetensors"), strict=True)
     else:
         import transformers
 
@@ -42,6 +58,23 @@ def child(which: str, folder: Path) -> None:
         checksum = sum(float(p.sum()) for p in model.parameters())  # every page resident
     held = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
     print(json.dumps({"peak": peak_rss_bytes() - base, "after": rss_bytes() - base, "weights": held, "sum": checksum}))
+
+
+def save_export(hf_folder: Path, folder: Path) -> None:
+    """The imported model of ``hf_folder`` as our own export, ``folder/model.safetensors`` (with a small trained
+    tokenizer: the folder holds none, and the memory is the weights')."""
+    from torch_handle.data.tokenizer import Tokenizer
+    from torch_handle.export import Decoding, empty_model
+    from torch_handle.export.write import write_exported
+    from torch_handle.pretrained import fill, pretrained_config
+    from torch_handle.pretrained.reader import read_weights
+
+    model = empty_model(pretrained_config(hf_folder)[0])
+    fill(model, read_weights(hf_folder), str(hf_folder))
+    weights = {name: tensor.clone() for name, tensor in model.state_dict().items()}  # tied ones stored apart
+    folder.mkdir()
+    tokenizer = Tokenizer.train(["a small text to train a tokenizer on"] * 4, 300).to_str()
+    write_exported(weights, model.config, tokenizer, Decoding(), folder / "model.safetensors")
 
 
 def save(folder: Path, options: argparse.Namespace, shard: str) -> None:
@@ -71,10 +104,16 @@ def main() -> None:
         return
     rows = []
     with tempfile.TemporaryDirectory() as work:
-        for layout, shard in (("one file", "100GB"), (f"shards of {options.shard_mb} MB", f"{options.shard_mb}MB")):
+        cases = [("one file", "100GB", ("ours", "transformers"))]
+        cases += [(f"shards of {options.shard_mb} MB", f"{options.shard_mb}MB", ("ours", "transformers"))]
+        cases += [("our export", "", ("export", "export, whole file"))]
+        for layout, shard, loaders in cases:
             folder = Path(work) / layout.replace(" ", "-")
-            save(folder, options, shard)
-            for which in ("ours", "transformers"):
+            if shard:
+                save(folder, options, shard)
+            else:
+                save_export(Path(work) / "one-file", folder)
+            for which in loaders:
                 r = run_child(__file__, ["--child", which, str(folder)])
                 mib = 2**20
                 rows.append([

@@ -101,12 +101,27 @@ def test_init_from_reads_the_weights_once(kind: str, tmp_path: Path, monkeypatch
 
     monkeypatch.setattr(write, "_lightning_state", counted(write._lightning_state))
     monkeypatch.setattr(trained, "exported_weights", counted(trained.exported_weights))
+    fill = trained.fill_exported  # an export is copied into the model a tensor at a time
+    monkeypatch.setattr(trained, "fill_exported", lambda model, p: reads.append(Path(p)) or fill(model, p))
     tokenizer = Tokenizer.from_file(trained.init_tokenizer_path(str(path)))
     model = Seq2SeqModule(vocab_size=tokenizer.vocab_size, max_new_tokens=8, init_from=str(path)).model
     assert reads == [path]
     assert model.state_dict().keys() == expected.keys()
     for name, weight in model.state_dict().items():
         torch.testing.assert_close(weight, expected[name], rtol=0, atol=0, msg=name)
+
+
+def test_an_export_that_does_not_fit_the_model_is_refused_before_a_copy(tmp_path: Path) -> None:
+    from torch_handle.checkpoints import CheckpointError
+    from torch_handle.export import fill_exported
+    from torch_handle.model import Transformer
+
+    path = export(_python_checkpoint(tmp_path), tmp_path / "model.safetensors")
+    model = Transformer(dataclasses.replace(TINY, d_ff=48))
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match=rf"^{path} does not fit the model \(.*linear1.weight has shape \["):
+        fill_exported(model, path)
+    assert all(torch.equal(t, before[name]) for name, t in model.state_dict().items())
 
 
 # --- bad exported files: one line each, from the loaders and from cli.py predict --------------------------

@@ -20,9 +20,7 @@ import torch
 from torch_handle.checkpoints import CheckpointError
 from torch_handle.data.tokenizer import Tokenizer
 from torch_handle.errors import SetupError
-from torch_handle.export import (
-    Decoding,
-)
+from torch_handle.export import Decoding, empty_model, exported_decoding, is_exported, load_exported
 from torch_handle.hierarchical import generate_summaries, summarize
 from torch_handle.model import CompiledDecode, Transformer, generate
 from torch_handle.model.logits import DecodingControls
@@ -269,7 +267,10 @@ def load(
 
 def _read(path: Path, attention_backend: str) -> tuple[Transformer, Tokenizer, Decoding]:
     """The model, tokenizer and decoding defaults of an export, a checkpoint or a run folder."""
+    if is_exported(path):  # filled one tensor at a time
+        model, tokenizer = load_exported(path, attention_backend)
+        return model, tokenizer, exported_decoding(path, model.config)
     weights, config, tokenizer, decoding = read_trained(path)
-    model = Transformer(dataclasses.replace(config, attention_backend=attention_backend))
+    model = empty_model(dataclasses.replace(config, attention_backend=attention_backend))
     model.load_state_dict(weights, strict=True)
     return model, tokenizer, decoding

@@ -19,9 +19,11 @@ from torch_handle.export.exported import (
     exported_decoding,
     exported_metadata,
     exported_weights,
+    fill_exported,
     is_exported,
     load_exported,
     meta_shell,
+    safetensors_tensors,
     too_many_layers,
 )
 from torch_handle.export.write import (
@@ -45,6 +47,7 @@ __all__ = [
     "exported_decoding",
     "exported_metadata",
     "exported_weights",
+    "fill_exported",
     "is_exported",
     "load_exported",
     "merged_checkpoint",
@@ -53,4 +56,5 @@ __all__ = [
     "read_checkpoint",
     "read_metadata",
     "read_model",
+    "safetensors_tensors",
 ]

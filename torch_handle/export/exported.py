@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
@@ -246,6 +248,36 @@ def load_exported(path: str | Path, attention_backend: str = "auto") -> tuple[Tr
         attention_backend: The attention kernel on this machine.
     """
     config, tokenizer = exported_metadata(path)
-    model = Transformer(dataclasses.replace(config, attention_backend=attention_backend))
-    model.load_state_dict(exported_weights(path), strict=True)
+    model = empty_model(dataclasses.replace(config, attention_backend=attention_backend))
+    fill_exported(model, path)
     return model.eval(), tokenizer
+
+
+def fill_exported(model: Transformer, path: str | Path) -> None:
+    """Copy the export's tensors into ``model`` one tensor at a time, so the model plus one tensor is the peak.
+
+    Raises:
+        CheckpointError: the file's tensor names or shapes are not the model's; the message names them.
+    """
+    with safe_open(path, framework="pt") as f:
+        shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+    problems = mismatches(model, shapes)
+    if problems:
+        raise CheckpointError(f"{path} does not fit the model ({problems}): pass an export of this architecture")
+    state = model.state_dict()
+    with torch.no_grad():
+        for name, tensor in safetensors_tensors(Path(path)):
+            state[name].copy_(tensor)
+
+
+def safetensors_tensors(file: Path) -> Iterator[tuple[str, Tensor]]:
+    """Every tensor of the safetensors ``file`` as ``(name, tensor)``, the largest first, each read through a mapping
+    of its own (the pages read stay resident while their mapping lives), so a model filled in this order holds at
+    most one tensor's pages beside what it has filled."""
+    with safe_open(file, framework="pt") as f:
+        keys = sorted(f.keys(), key=lambda key: -math.prod(f.get_slice(key).get_shape()))
+    for key in keys:
+        with safe_open(file, framework="pt") as f:
+            tensor = f.get_tensor(key)
+        yield key, tensor
+        del tensor

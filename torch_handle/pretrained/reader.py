@@ -7,7 +7,6 @@ weights-only unpickler, which rebuilds tensors and nothing that runs code.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from safetensors import safe_open
 from torch import Tensor
 
 from torch_handle.errors import CheckpointError
+from torch_handle.export.exported import safetensors_tensors
 from torch_handle.jsonfiles import json_object
 from torch_handle.unpickling import ARCHIVE_MAGIC, archive_pickles, check_globals, head
 
@@ -112,18 +112,11 @@ def _load_bin(file: Path) -> dict[str, Tensor]:
 
 
 def read_weights(folder: Path) -> Iterator[tuple[str, Tensor]]:
-    """Every tensor of the folder's weights as ``(name, tensor)``, one shard at a time, the largest first. A
-    safetensors file is mapped again for each tensor (the pages read stay resident while their mapping lives), so a
-    model filled in this order holds at most one tensor's pages beside what it has filled."""
+    """Every tensor of the folder's weights as ``(name, tensor)``, one shard at a time, a safetensors shard's largest
+    first and each through a mapping of its own (:func:`torch_handle.export.safetensors_tensors`)."""
     for file in weight_files(folder):
         if file.suffix == ".safetensors":
-            with safe_open(file, framework="pt") as f:
-                keys = sorted(f.keys(), key=lambda key: -math.prod(f.get_slice(key).get_shape()))
-            for key in keys:
-                with safe_open(file, framework="pt") as f:
-                    tensor = f.get_tensor(key)
-                yield key, tensor
-                del tensor
+            yield from safetensors_tensors(file)
             continue
         state = _load_bin(file)
         yield from state.items()

@@ -19,6 +19,7 @@ from torch_handle.export import (
     exported_decoding,
     exported_metadata,
     exported_weights,
+    fill_exported,
     is_exported,
     read_metadata,
     read_model,
@@ -80,6 +81,8 @@ def init_weights(model: Transformer, init_from: str | Path) -> None:
     path = init_path(init_from)
     if is_pretrained_folder(path):
         fill(model, read_weights(path), str(path))
+    elif is_exported(path):
+        fill_exported(model, path)
     else:
         model.load_state_dict(read_trained(path)[0], strict=True)
 
