@@ -88,6 +88,9 @@ def test_an_imported_led_trains_on_two_processes_as_on_one(strategy: str, tmp_pa
     got, _, _ = read_checkpoint(runs[strategy] / "checkpoints" / "last.ckpt")
     assert got.keys() == want.keys() and any("global_proj" in name for name in want)
     for name in want:
+        if not want[name].any():  # LED's logits bias is zero and not trained
+            assert torch.equal(got[name], want[name]), name
+            continue
         distance = torch.linalg.norm(got[name] - want[name]) / torch.linalg.norm(want[name])
         assert distance <= EXACT, f"{name}: relative distance {distance:.1e} over {EXACT:.0e}"
 
