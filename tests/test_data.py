@@ -583,3 +583,11 @@ def test_a_file_with_nul_bytes_is_read_with_one_warning(tmp_path: Path) -> None:
     assert [str(w.message) for w in record] == [
         f"{path}:2: 4 NUL byte(s), which text never holds: is this the file you meant?"
     ]
+
+
+def test_a_file_with_a_byte_order_mark_names_its_first_bad_byte(tmp_path: Path) -> None:
+    path = tmp_path / "in.txt"
+    path.write_bytes(b"\xef\xbb\xbfthe dog\nsees \xff cat\n")
+    with pytest.raises(DataError) as err:
+        read_lines(path)
+    assert str(err.value) == f"{path}:2: not UTF-8 (byte 0xff); re-save the file as UTF-8"

@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "torch_handle"
 # What each layer may import from torch_handle, besides itself.
 ALLOWED: dict[str, tuple[str, ...]] = {
     "model": (),
-    "data": ("torch_handle.errors", "torch_handle.atomic", "torch_handle.commands"),
+    "data": ("torch_handle.errors", "torch_handle.atomic", "torch_handle.commands", "torch_handle.jsonfiles"),
 }
 
 

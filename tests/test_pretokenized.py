@@ -8,7 +8,9 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,8 +20,8 @@ import torch
 from helpers import ROOT, RUN_TIMEOUT, env, fit_args
 
 from torch_handle.cli import prepare_tokens
-from torch_handle.data import DataError, SummarizationDataModule, Tokenizer, TranslationDataModule
-from torch_handle.data.pretokenized import META, OFFSET, SIDES, TOKEN, PretokenizedDataset, describe
+from torch_handle.data import DataError, SummarizationDataModule, Tokenizer, TranslationDataModule, base, io
+from torch_handle.data.pretokenized import META, OFFSET, SIDES, TOKEN, PretokenizedDataset, describe, write_pretokenized
 from torch_handle.data.tokenizer import Specials
 
 MULTI30K = Path(__file__).resolve().parents[2] / "shared" / "data" / "multi30k"
@@ -266,6 +268,123 @@ def test_prepare_tokens_writes_what_fit_would_read(
         == f"error: {out} already exists and is not empty: pass a new --out, or remove {out} first"
     )
     assert {f.name: f.read_bytes() for f in out.iterdir()} == before
+
+
+def _translation(folder: Path) -> Callable[[], TranslationDataModule]:
+    """Multi30k's first lines, made awkward: a blank pair, CRLF, a Unicode line separator, NUL bytes, no newline at
+    the end."""
+    if not MULTI30K.is_dir():
+        pytest.skip(f"real data not found at {MULTI30K}")
+    for lang in ("en", "de"):
+        lines = (MULTI30K / f"train.{lang}").read_text(encoding="utf-8").splitlines()[:300]
+        lines[4], lines[9] = ("  " if lang == "en" else lines[4]), lines[9] + "\r"
+        lines[12], lines[20] = lines[12].replace(" ", "\u2028", 1), lines[20] + "\0" * (lang == "en")
+        (folder / f"train.{lang}").write_text("\n".join(lines), encoding="utf-8")
+    return lambda: _module(folder, max_source_tokens=16, max_target_tokens=16)
+
+
+def _summarization(folder: Path, truncation: str = "warn") -> Callable[[], SummarizationDataModule]:
+    """Short stories with a question and one to three references each, and a blank line among them: the third has a
+    long summary, the 21st (line 22) is the first long story."""
+    words = "the cat sat on a mat and saw dog run über 🙂 tree".split()
+    rows = [
+        {
+            "document": " ".join(words[(i + j) % len(words)] for j in range(3 + (i * 7) % 20 + 40 * (i == 20))),
+            "summary": " ".join((words * 3)[: 2 + (i % 4) + 30 * (i == 2)]),
+            "summaries": [f"ref {k} of {i}" for k in range(1 + i % 3)],
+            "query": f"what does the cat do {i}?",
+        }
+        for i in range(40)
+    ]
+    lines = [json.dumps(row, ensure_ascii=i % 2 == 0) for i, row in enumerate(rows)]
+    (folder / "train.jsonl").write_text("\n".join(lines[:5] + ["  "] + lines[5:]) + "\n", encoding="utf-8")
+    options = {"bpe_vocab_size": 300, "max_source_tokens": 48, "max_target_tokens": 24, "truncation": truncation}
+    options |= {"query_field": "query"}
+    return lambda: SummarizationDataModule(train_file=str(folder / "train.jsonl"), **options)
+
+
+@pytest.mark.parametrize("corpus_of", [_translation, _summarization])
+def test_prepare_streams_what_the_in_memory_path_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, corpus_of: Callable
+) -> None:
+    """``prepare tokens`` reads, tokenizes and writes the training split a few examples at a time, never the whole
+    split (``read_split``): the folder is byte for byte what tokenizing the split in memory writes (the tokenizer
+    ``fit`` would train, the ids, truncation, skipped lines, order), with the same warnings, once."""
+    module = corpus_of(tmp_path)
+    with warnings.catch_warnings(record=True) as said_in_memory:
+        warnings.simplefilter("always")
+        memory = module()
+        examples = memory.dataset("train").examples
+        write_pretokenized(
+            tmp_path / "memory",
+            memory.tokenizer,
+            [([e.src_ids for e in examples], [e.tgt_ids or [] for e in examples])],
+        )
+    streamed, sizes = module(), []
+    monkeypatch.setattr(base, "CHUNK", 7)
+    monkeypatch.setattr(type(streamed), "read_split", lambda self, split: pytest.fail(f"read the {split} split whole"))
+    write = base.write_pretokenized
+    monkeypatch.setattr(
+        base,
+        "write_pretokenized",
+        lambda out, tokenizer, rows: write(out, tokenizer, (sizes.append(len(r[0])) or r for r in rows)),
+    )
+    with warnings.catch_warnings(record=True) as said_streaming:
+        warnings.simplefilter("always")
+        assert streamed.write_pretokenized(tmp_path / "streamed") == len(examples)
+    assert max(sizes) == 7 and len(sizes) == -(-len(examples) // 7)
+    assert [str(w.message) for w in said_streaming] == [str(w.message) for w in said_in_memory]
+    assert any("truncated" in str(w.message) for w in said_streaming)
+    for file in (tmp_path / "memory").iterdir():  # tokenizer.json too: fit trains the same tokenizer from the text
+        assert (tmp_path / "streamed" / file.name).read_bytes() == file.read_bytes(), file.name
+
+
+def test_parts_end_at_a_number_of_examples_or_of_characters(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A part of long documents holds fewer examples: its memory is bounded by its text, not its count."""
+    monkeypatch.setattr(io, "PART_TEXT", 10)
+    parts = io.chunked(["ab", "cdefghijkl", "m", "n", "o", "p"], 3, len)
+    assert list(parts) == [["ab", "cdefghijkl"], ["m", "n", "o"], ["p"]]
+
+
+def _edit(path: Path, edit: Callable[[list[str]], object]) -> None:
+    lines = path.read_text(encoding="utf-8").split("\n")
+    edit(lines)
+    path.write_text("\n".join(lines), encoding="utf-8")
+
+
+@pytest.mark.filterwarnings("ignore:.*NUL byte")
+@pytest.mark.parametrize(
+    ("corpus_of", "damage", "problem"),
+    [
+        (
+            _translation,
+            lambda f: f.joinpath("train.de").write_bytes(f.joinpath("train.de").read_bytes() + b" \xff"),
+            ":300: not UTF-8 (byte 0xff)",
+        ),
+        (_translation, lambda f: _edit(f / "train.de", lambda lines: lines.pop(50)), "has 300 lines but"),
+        (
+            _summarization,
+            lambda f: _edit(f / "train.jsonl", lambda lines: lines.insert(30, "{}")),
+            ":31: no field 'query'",
+        ),
+        (partial(_summarization, truncation="error"), lambda f: None, ":22: source has"),  # after a long target
+    ],
+)
+def test_prepare_streaming_refuses_bad_input_as_the_in_memory_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, corpus_of: Callable, damage: Callable, problem: str
+) -> None:
+    """The same one-line error, found in a later part of the split (the files checked a few bytes at a time, so that
+    multi-byte characters straddle blocks), and no folder."""
+    module = corpus_of(tmp_path)
+    damage(tmp_path)
+    with pytest.raises(DataError) as memory:
+        module().dataset("train")
+    monkeypatch.setattr(base, "CHUNK", 7)
+    monkeypatch.setattr(io, "BLOCK", 5)
+    with pytest.raises(DataError) as streamed:
+        module().write_pretokenized(tmp_path / "tokens")
+    assert str(streamed.value) == str(memory.value) and problem in str(memory.value)
+    assert not (tmp_path / "tokens").exists()
 
 
 CAP = 2_500_000_000  # bytes of address space: a tiny CPU fit needs less, the corpus below is over three times this

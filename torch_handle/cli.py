@@ -137,9 +137,10 @@ def prepare_tokens(argv: list[str]) -> None:
     prog = f"{typed_command('prepare')} tokens"
     parser = argparse.ArgumentParser(
         prog=prog,
-        description="Tokenizes the training split that fit with the same options would read, once, into a folder "
-        "that fit reads with --data.init_args.pretokenized DIR. Every option but --out is fit's: --config (several "
-        "stack), --data.NAME VALUE, --model.init_from (its tokenizer), ...",
+        description="Tokenizes the training split that fit with the same options would read, once, a part at a time "
+        "(memory does not grow with the corpus), into a folder that fit reads with --data.init_args.pretokenized DIR. "
+        "Every option but --out is fit's: --config (several stack), --data.NAME VALUE, --model.init_from (its "
+        "tokenizer), ...",
     )
     parser.add_argument("--out", required=True, help="the folder to write (must not exist, or be empty)")
     options, rest = parser.parse_known_args(argv)

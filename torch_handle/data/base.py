@@ -1,16 +1,15 @@
 """The DataModule behaviour shared by every task: tokenizer, tokenization, loaders, checkpointed state."""
 
 import dataclasses
+import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator
 from itertools import chain
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
 from lightning.pytorch import LightningDataModule
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
@@ -22,13 +21,15 @@ from torch_handle.data.batching import (
     LengthSortedSampler,
     TokenBudgetBatchSampler,
 )
-from torch_handle.data.pretokenized import PretokenizedDataset, write_pretokenized
+from torch_handle.data.io import TextSplit
+from torch_handle.data.lengths import LengthCheck
+from torch_handle.data.pretokenized import PretokenizedDataset, refuse_existing, write_pretokenized
 from torch_handle.data.resume import ResumableDataLoader, batches_processed
 from torch_handle.data.tokenizer import Tokenizer, pretrained_tokenizer
 from torch_handle.errors import DataError
 
 Split = Literal["train", "val", "test", "predict"]
-CHUNK = 10_000  # examples written at a time by write_pretokenized
+CHUNK = 10_000  # examples read, tokenized and written at a time by write_pretokenized
 DATA_PARALLEL = "data_parallel"  # the device mesh dimension whose index chooses the shard
 _STAGE_SPLITS: dict[str, tuple[Split, ...]] = {
     "fit": ("train", "val"),
@@ -36,23 +37,6 @@ _STAGE_SPLITS: dict[str, tuple[Split, ...]] = {
     "test": ("test",),
     "predict": ("predict",),
 }
-
-
-@dataclass(frozen=True)
-class TextSplit:
-    """A split as read from disk, before tokenization.
-
-    ``lines`` holds each example's line number, and ``source_origin``/``target_origin`` the files, so
-    that an error about one example can point at it. ``references`` holds each example's references to score
-    against when there are several (None: its target alone).
-    """
-
-    sources: list[str]
-    targets: list[str] | None
-    lines: list[int]
-    source_origin: str
-    target_origin: str
-    references: list[tuple[str, ...]] | None = None
 
 
 class Seq2SeqDataModule(LightningDataModule, ABC):
@@ -186,7 +170,9 @@ class Seq2SeqDataModule(LightningDataModule, ABC):
             dataset, c, folder = self._pretokenized_train(), self.collator, self.pretokenized
             limits = (c.max_source_tokens - 1, c.max_target_tokens - 2)
             for side, counts, limit in zip(("source", "target"), dataset.token_counts(), limits, strict=True):
-                self._check_length(counts, side, folder, None, limit)
+                check = LengthCheck(side, folder, limit, self.truncation)
+                check.add(counts, None)
+                check.finish()
             # One id more than a row keeps, so that the collator still sees which sources it cut.
             self._datasets[split] = dataset.read_at_most(c.max_source_tokens, c.max_target_tokens - 1)
         if split not in self._datasets:
@@ -198,20 +184,36 @@ class Seq2SeqDataModule(LightningDataModule, ABC):
         """Writes the training split, tokenized as :meth:`setup` tokenizes it, to a folder that ``pretokenized``
         reads; the number of examples written.
 
+        The split is read, tokenized and written :data:`CHUNK` examples at a time (:meth:`stream_split`), and a
+        tokenizer to train is trained on it read the same way, so memory does not grow with the corpus.
+
         Args:
             out: The folder to write; it must not exist, or be empty.
         """
         if self.pretokenized is not None:
             raise DataError("the training split is already pre-tokenized: unset --data.init_args.pretokenized")
-        dataset = self.dataset("train")
-        if dataset is None:
-            raise DataError("nothing to pre-tokenize: the config gives no training split")
-        examples = dataset.examples
-        chunks = (
-            ([e.src_ids for e in examples[i : i + CHUNK]], [e.tgt_ids or [] for e in examples[i : i + CHUNK]])
-            for i in range(0, len(examples), CHUNK)
-        )
-        return write_pretokenized(out, self.tokenizer, chunks)
+        refuse_existing(out)
+        if self._tokenizer is None and self.tokenizer_path is None:
+            # BPE training keeps word counts, not the text. The writing pass reads the files again, and warns.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                texts = (text for part in self._train_parts() for text in chain(part.sources, part.targets or ()))
+                self._use(Tokenizer.train(texts, self.bpe_vocab_size))
+        return write_pretokenized(out, self.tokenizer, self._encoded_ids(self._train_parts()))
+
+    def stream_split(self, split: Split, size: int) -> Iterator[TextSplit] | None:
+        """:meth:`read_split`'s split in parts of at most ``size`` examples, read as they are drawn; None for an
+        optional split that is not configured.
+
+        This one reads the split whole and cuts it; a task whose files can be read a part at a time overrides it,
+        with :meth:`read_split`'s checks and messages.
+
+        Args:
+            split: Which split.
+            size: Examples a part holds.
+        """
+        text = self.read_split(split)
+        return None if text is None else text.parts(size)
 
     @override
     def train_dataloader(self) -> DataLoader | list[DataLoader]:
@@ -335,53 +337,51 @@ class Seq2SeqDataModule(LightningDataModule, ABC):
 
     def _encode(self, text: TextSplit, split: Split) -> ExampleDataset:
         """Tokenizes a split in one batch call, applying the truncation policy."""
+        checks = self._length_checks(text, split)
+        examples = self._examples(text, checks)
+        for check in checks:
+            check.finish()
+        return ExampleDataset(examples)
+
+    def _train_parts(self) -> Iterator[TextSplit]:
+        """The training split in parts of :data:`CHUNK` examples, or the one-line error for a config without one."""
+        parts = self.stream_split("train", CHUNK)
+        if parts is None:
+            raise DataError("nothing to pre-tokenize: the config gives no training split")
+        return parts
+
+    def _encoded_ids(self, chunks: Iterator[TextSplit]) -> Iterator[tuple[list[list[int]], list[list[int]]]]:
+        """The training split's source and target ids a part at a time, as :meth:`_encode` gives them."""
+        checks = None
+        for text in chunks:
+            checks = checks or self._length_checks(text, "train")
+            examples = self._examples(text, checks)
+            yield [e.src_ids for e in examples], [e.tgt_ids or [] for e in examples]
+        for check in checks or ():
+            check.finish()
+
+    def _length_checks(self, text: TextSplit, split: Split) -> tuple[LengthCheck, LengthCheck]:
+        """The truncation policy's checks of a split's sources and targets."""
+        c = self.collator
+        loss = f"; the test loss reads their first {c.max_source_tokens - 1}" if split == "test" else ""
+        whole = f", in windows{loss}" if split in self.whole_source_splits else None
+        return (
+            LengthCheck("source", text.source_origin, c.max_source_tokens - 1, self.truncation, whole),
+            LengthCheck("target", text.target_origin, c.max_target_tokens - 2, self.truncation),
+        )
+
+    def _examples(self, text: TextSplit, checks: tuple[LengthCheck, LengthCheck]) -> list[Example]:
+        """A split's examples (or a part's), tokenized in one batch call and counted by ``checks``."""
+        source, target = checks
         src_ids = self.tokenizer.encode_batch(text.sources)
-        limit = self.collator.max_source_tokens - 1
-        if split not in self.whole_source_splits:
-            self._check_length(list(map(len, src_ids)), "source", text.source_origin, text.lines, limit)
-        elif long := sum(len(ids) > limit for ids in src_ids):
-            loss = f"; the test loss reads their first {limit}" if split == "test" else ""
-            rank_zero_info(
-                f"{text.source_origin}: {long} of {len(src_ids)} sources over {limit} tokens are read whole, "
-                f"in windows{loss}"
-            )
+        source.add(list(map(len, src_ids)), text.lines)
+        source.refuse()  # the first long source is the split's first error: none that follows comes before it
         if text.targets is None:
-            return ExampleDataset([Example(ids, s) for ids, s in zip(src_ids, text.sources, strict=True)])
+            return [Example(ids, s) for ids, s in zip(src_ids, text.sources, strict=True)]
         tgt_ids = self.tokenizer.encode_target_batch(text.targets)
-        limit = self.collator.max_target_tokens - 2
-        self._check_length(list(map(len, tgt_ids)), "target", text.target_origin, text.lines, limit)
+        target.add(list(map(len, tgt_ids)), text.lines)
         references = text.references or [()] * len(text.targets)
-        return ExampleDataset(
-            [
-                Example(s_ids, s, t_ids, t, references=r)
-                for s_ids, s, t_ids, t, r in zip(src_ids, text.sources, tgt_ids, text.targets, references, strict=True)
-            ]
-        )
-
-    def _check_length(
-        self, counts: Sequence[int] | np.ndarray, side: str, origin: str, lines: Sequence[int] | None, limit: int
-    ) -> None:
-        """Warns once (counting) or raises for the first row longer than ``limit`` tokens, the ``truncation`` policy.
-
-        Args:
-            counts: Each row's token count.
-            side: ``source`` or ``target``.
-            origin: What the rows were read from: a file, or a pre-tokenized folder.
-            lines: Each row's line in ``origin``; None for a pre-tokenized folder, whose rows are named by index.
-            limit: Tokens a row keeps.
-        """
-        long = np.flatnonzero(np.asarray(counts) > limit)
-        if not len(long):
-            return
-        option = f"--data.max_{side}_tokens"
-        if self.truncation == "error":
-            first = int(long[0])
-            where = f"{origin}:{lines[first]}" if lines is not None else f"{origin} example {first}"
-            raise DataError(
-                f"{where}: {side} has {counts[first]} tokens, over the {limit} that "
-                f"{option} allows; raise {option} or set --data.truncation=warn"
-            )
-        rank_zero_warn(
-            f"{origin}: truncated {len(long)} of {len(counts)} {side}s to {limit} tokens; "
-            f"raise {option} to keep them whole"
-        )
+        return [
+            Example(s_ids, s, t_ids, t, references=r)
+            for s_ids, s, t_ids, t, r in zip(src_ids, text.sources, tgt_ids, text.targets, references, strict=True)
+        ]

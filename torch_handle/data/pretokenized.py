@@ -100,8 +100,12 @@ def describe(folder: Path, tokenizer: Tokenizer, examples: int) -> None:
     files = {}
     for side in SIDES:
         files[f"{side}.tokens"] = {"bytes": (folder / f"{side}.tokens").stat().st_size}
-        offsets = (folder / f"{side}.offsets").read_bytes()
-        files[f"{side}.offsets"] = {"bytes": len(offsets), "sha256": _sha256(offsets)}
+        offsets, size = hashlib.sha256(), 0
+        with open(folder / f"{side}.offsets", "rb") as file:  # a block at a time: they grow with the corpus
+            while block := file.read(1 << 20):
+                offsets.update(block)
+                size += len(block)
+        files[f"{side}.offsets"] = {"bytes": size, "sha256": offsets.hexdigest()}
     meta = {
         "format": FORMAT,
         "version": VERSION,

@@ -1,5 +1,6 @@
 """Summarization data: long documents and their summaries in JSON-lines files."""
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -7,7 +8,7 @@ from typing_extensions import override
 
 from torch_handle.data.base import Seq2SeqDataModule, Split, TextSplit
 from torch_handle.data.corpora import missing
-from torch_handle.data.io import read_documents, read_jsonl
+from torch_handle.data.io import Record, chunked, read_documents, read_jsonl, stream_jsonl
 from torch_handle.errors import DataError
 
 QUERY_SEPARATOR = "\n\n"  # SCROLLS's: the query, a blank line, then the document
@@ -110,6 +111,33 @@ class SummarizationDataModule(Seq2SeqDataModule):
 
     @override
     def read_split(self, split: Split) -> TextSplit | None:
+        path = self._file(split)
+        if path is None:
+            return None
+        fields, settings = self._fields()
+        if split == "predict" and self.query_field is None:
+            records = read_documents(path, self.document_field, settings[self.document_field])
+        elif split == "predict":
+            records = read_jsonl(path, fields, settings)
+        else:
+            records = read_jsonl(path, [*fields, self.summary_field], settings, lists=[self.references_field])
+        return self._text_split(path, records, targets=split != "predict")
+
+    @override
+    def stream_split(self, split: Split, size: int) -> Iterator[TextSplit] | None:
+        """The JSON-lines file a line at a time (the predict file: read whole, then cut)."""
+        if split == "predict":
+            return super().stream_split(split, size)
+        path = self._file(split)
+        if path is None:
+            return None
+        fields, settings = self._fields()
+        records = stream_jsonl(path, [*fields, self.summary_field], settings, lists=[self.references_field])
+        parts = chunked(records, size, lambda record: sum(map(len, record.fields.values())))
+        return (self._text_split(path, part, targets=True) for part in parts)
+
+    def _file(self, split: Split) -> str | None:
+        """The split's file, refused in one line when it is needed and missing; None for no validation."""
         path = self.files[split]
         if path is None:
             if split == "val":
@@ -119,22 +147,25 @@ class SummarizationDataModule(Seq2SeqDataModule):
         hint = missing(path, f"--data.init_args.{split}_file")
         if hint is not None and not Path(path).exists():
             raise DataError(hint)
+        return path
+
+    def _fields(self) -> tuple[list[str], dict[str, str]]:
+        """The fields an input is made of, and the option that names each field read."""
         settings = {self.document_field: "--data.document_field", self.summary_field: "--data.summary_field"}
         fields = [self.document_field] if self.query_field is None else [self.query_field, self.document_field]
         settings |= {} if self.query_field is None else {self.query_field: "--data.query_field"}
-        references = None
-        if split == "predict" and self.query_field is None:
-            records = read_documents(path, self.document_field, settings[self.document_field])
-            targets = None
-        elif split == "predict":
-            records = read_jsonl(path, fields, settings)
-            targets = None
-        else:
-            records = read_jsonl(path, [*fields, self.summary_field], settings, lists=[self.references_field])
-            targets = [r.fields[self.summary_field].strip() for r in records]
-            references = [tuple(text.strip() for text in r.lists.get(self.references_field, ())) for r in records]
+        return fields, settings
+
+    def _text_split(self, path: str, records: list[Record], targets: bool) -> TextSplit:
+        """``records`` as inputs (the query, a blank line, then the document), with their summaries and references
+        where ``targets``."""
+        fields, _ = self._fields()
         sources = [QUERY_SEPARATOR.join(r.fields[name].strip() for name in fields) for r in records]
-        return TextSplit(sources, targets, [r.line for r in records], path, path, references)
+        if not targets:
+            return TextSplit(sources, None, [r.line for r in records], path, path)
+        summaries = [r.fields[self.summary_field].strip() for r in records]
+        references = [tuple(text.strip() for text in r.lists.get(self.references_field, ())) for r in records]
+        return TextSplit(sources, summaries, [r.line for r in records], path, path, references)
 
     def summary_ratio(self) -> float | None:
         """The training pairs' mean summary-to-input length ratio in characters, SCROLLS's length for its naive

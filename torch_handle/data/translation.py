@@ -1,5 +1,6 @@
 """Translation data: parallel text files (Multi30k / fairseq layout) or the built-in demo task."""
 
+from collections.abc import Iterator
 from pathlib import Path
 
 from typing_extensions import override
@@ -7,7 +8,7 @@ from typing_extensions import override
 from torch_handle.data.base import Seq2SeqDataModule, Split, TextSplit
 from torch_handle.data.corpora import missing
 from torch_handle.data.demo import demo_corpus
-from torch_handle.data.io import read_lines, read_parallel
+from torch_handle.data.io import chunked, read_lines, read_parallel, stream_parallel
 from torch_handle.errors import DataError
 
 DEMO_EVAL_SIZE = 500  # pairs in the demo's val and test splits
@@ -106,7 +107,22 @@ class TranslationDataModule(Seq2SeqDataModule):
             lines = list(range(1, len(pairs) + 1))
             source_origin = target_origin = f"demo:{split}"
         else:
-            stem = Path(self.data_dir) / self.split_names[split]
-            source_origin, target_origin = f"{stem}.{self.src_lang}", f"{stem}.{self.tgt_lang}"
+            source_origin, target_origin = self._files(split)
             pairs, lines = read_parallel(source_origin, target_origin)
         return TextSplit([s for s, _ in pairs], [t for _, t in pairs], lines, source_origin, target_origin)
+
+    @override
+    def stream_split(self, split: Split, size: int) -> Iterator[TextSplit] | None:
+        """The pair files a line at a time (the demo and the predict file: read whole, then cut)."""
+        if self.data_dir is None or split == "predict":
+            return super().stream_split(split, size)
+        source, target = self._files(split)
+        parts = chunked(stream_parallel(source, target), size, lambda pair: len(pair[1]) + len(pair[2]))
+        columns = (zip(*part) for part in parts)
+        return (TextSplit(list(s), list(t), list(lines), source, target) for lines, s, t in columns)
+
+    def _files(self, split: Split) -> tuple[str, str]:
+        """The split's source and target files."""
+        assert self.data_dir is not None
+        stem = Path(self.data_dir) / self.split_names[split]
+        return f"{stem}.{self.src_lang}", f"{stem}.{self.tgt_lang}"
