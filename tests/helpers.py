@@ -142,11 +142,13 @@ def fit_args(root: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-def cli(args: list[str], timeout: float = RUN_TIMEOUT, **extra_env: str) -> subprocess.CompletedProcess:
-    """Runs ``python cli.py ARGS`` from the repository root; output is captured for the assertion message. A run
-    past ``timeout`` is killed with every process it started (the other ranks, a compiler), so none of them goes
-    on holding a lock or the cores that the next tests need."""
-    command = [sys.executable, "cli.py", *args]
+def cli(
+    args: list[str], timeout: float = RUN_TIMEOUT, script: str = "cli.py", **extra_env: str
+) -> subprocess.CompletedProcess:
+    """Runs ``python cli.py ARGS`` (or another ``script``) from the repository root; output is captured for the
+    assertion message. A run past ``timeout`` is killed with every process it started (the other ranks, a compiler),
+    so none of them goes on holding a lock or the cores that the next tests need."""
+    command = [sys.executable, script, *args]
     with subprocess.Popen(
         command, cwd=ROOT, env=env(**extra_env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,
@@ -161,6 +163,20 @@ def cli(args: list[str], timeout: float = RUN_TIMEOUT, **extra_env: str) -> subp
             os.killpg(process.pid, signal.SIGKILL)
             raise
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def cli_commands(commands: list[list[str]], timeout: float = RUN_TIMEOUT) -> list[subprocess.CompletedProcess]:
+    """What ``python cli.py ARGS`` gives for each ``ARGS`` of ``commands``, the commands run in turn in one process
+    (``tests/cli_commands.py``): one start-up, Lightning's import above all, for commands that end before loading
+    anything, as a refused input does."""
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "results.json"
+        check(cli([str(out), *map(json.dumps, commands)], timeout, script="tests/cli_commands.py"))
+        results = json.loads(out.read_text())
+    return [
+        subprocess.CompletedProcess([sys.executable, "cli.py", *args], r["returncode"], r["stdout"], r["stderr"])
+        for args, r in zip(commands, results, strict=True)
+    ]
 
 
 def torchrun_results(worker: str, processes: int, out: Path, *args: str) -> list[dict[str, Any]]:

@@ -16,6 +16,7 @@ import io
 import json
 import pickle
 import shutil
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import torch_handle
-from tests.helpers import check, cli, fit_args
+from tests.helpers import check, cli, cli_commands, fit_args
 from torch_handle import checkpoints, export
 from torch_handle.checkpoints import CheckpointError, check_checkpoint
 from torch_handle.export import exported as reading
@@ -214,17 +215,35 @@ COMMANDS = {
 }
 
 
+POLYGLOTS = [(kind, targets[0]) for kind, targets in TARGETS.items()]
+Refusals = dict[tuple[str, str], tuple[Path, subprocess.CompletedProcess]]  # (kind, command) -> (marker, result)
+
+
+@pytest.fixture(scope="module")
+def commands_run(bases: _Bases, tmp_path_factory: pytest.TempPathFactory) -> Refusals:
+    """Every command of :data:`COMMANDS` on a polyglot where each strategy's checkpoint would be unpickled, each in
+    its own copy of the run folder: (kind, command) -> (the marker, the command's result). They run in one process
+    (:func:`~tests.helpers.cli_commands`): each refuses while parsing its options, before it loads anything."""
+    root = tmp_path_factory.mktemp("commands")
+    planted = {}
+    for kind, target in POLYGLOTS:
+        for name, arguments in COMMANDS.items():
+            run, ckpt, marker = plant(bases[kind], target, "polyglot", root / f"{kind}-{name}")
+            planted[kind, name] = marker, arguments(run, ckpt, kind)
+    results = cli_commands([args for _, args in planted.values()])
+    return {key: (marker, result) for (key, (marker, _)), result in zip(planted.items(), results, strict=True)}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("command", COMMANDS)
-@pytest.mark.parametrize(("kind", "target"), [(kind, targets[0]) for kind, targets in TARGETS.items()])
+@pytest.mark.parametrize(("kind", "target"), POLYGLOTS)
 def test_every_command_refuses_a_polyglot_in_one_line(
-    bases: _Bases, kind: str, target: str, command: str, tmp_path: Path
+    commands_run: Refusals, kind: str, target: str, command: str
 ) -> None:
     """``torch-handle export|test|validate|predict|fit --ckpt_path`` on the checkpoint each strategy writes, with a
     polyglot where the loader would unpickle it: one ``error:`` line, exit 1, and the marker never appears."""
-    run, ckpt, marker = plant(bases[kind], target, "polyglot", tmp_path)
-    result = cli(COMMANDS[command](run, ckpt, kind))
+    marker, result = commands_run[kind, command]
     output = result.stdout + result.stderr
     assert not marker.exists(), "the payload ran"
     errors = [line for line in output.splitlines() if line.startswith("error: ")]
