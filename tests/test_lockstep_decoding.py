@@ -26,6 +26,7 @@ from tests.helpers import STRATEGY_CONFIGS, TINY_MODEL, check, cli
 from torch_handle.export import export
 from torch_handle.model import CompiledDecode, Transformer, TransformerConfig
 from torch_handle.model.generation import generate
+from torch_handle.model.logits import DecodingControls
 
 WORDS = [f"{a}{b}{c}" for a in "bdgkmpst" for b in "aeiou" for c in "lnr"]
 MODEL = [
@@ -60,28 +61,48 @@ def _write_jsonl(path: Path, rows: list[dict[str, str]]) -> Path:
 
 
 class OutputRecorder(Callback):
-    """Writes ``{document: output}`` of the counted test batches to ``{default_root_dir}/outputs.rank{R}.json``."""
+    """Writes ``{document: output}`` of the counted test batches to ``{default_root_dir}/outputs.rank{R}.json``.
+
+    Args:
+        plain: Also decode every batch a second time without decoding controls (their defaults change nothing),
+            in the same lockstep, into ``plain.rank{R}.json``: one launch decodes as configured and plainly.
+    """
+
+    def __init__(self, plain: bool = False) -> None:
+        self.plain = plain
 
     @override
     def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        outputs: dict[str, Any] = {"long": 0}
+        self.outputs: dict[str, dict[str, Any]] = {
+            "outputs": {"long": 0},
+            **({"plain": {"long": 0}} if self.plain else {}),
+        }
         decode = pl_module.decode_batch
+
+        def record(name: str, batch: dict[str, Any], texts: list[str]) -> None:
+            if not batch["repeat"]:
+                self.outputs[name].update(zip(batch["src_text"], texts, strict=True))
+                self.outputs[name]["long"] += sum(batch["src_truncated"])
 
         def recording(batch: dict[str, Any], memory: Tensor | None = None) -> list[str]:
             texts = decode(batch, memory)
-            if not batch["repeat"]:
-                outputs.update(zip(batch["src_text"], texts, strict=True))
-                outputs["long"] += sum(batch["src_truncated"])
+            record("outputs", batch, texts)
+            if self.plain:
+                configured, pl_module._loop_controls = pl_module._loop_controls, DecodingControls()
+                try:
+                    record("plain", batch, decode(batch, memory))
+                finally:
+                    pl_module._loop_controls = configured
             return texts
 
         pl_module.decode_batch = recording
-        self.outputs = outputs
 
     @override
     def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        path = Path(trainer.default_root_dir) / f"outputs.rank{trainer.global_rank}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)  # evaluation writes nothing else there
-        path.write_text(json.dumps(self.outputs))
+        root = Path(trainer.default_root_dir)
+        root.mkdir(parents=True, exist_ok=True)  # evaluation writes nothing else there
+        for name, outputs in self.outputs.items():
+            (root / f"{name}.rank{trainer.global_rank}.json").write_text(json.dumps(outputs))
 
 
 class EndsEarly(Callback):
@@ -134,26 +155,53 @@ def summarizer(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return export(root / "fit" / "checkpoints" / "last.ckpt", root / "model.safetensors"), test
 
 
-def _test_outputs(model: Path, test: Path, root: Path, *strategy: str) -> tuple[dict[str, str], int]:
+Recorded = dict[str, tuple[dict[str, str], int]]  # outputs, plain -> ({document: output}, long documents)
+RECORDER = "--trainer.callbacks+=tests.test_lockstep_decoding.OutputRecorder"
+PLAIN_TOO = (
+    '--trainer.callbacks+={"class_path": "tests.test_lockstep_decoding.OutputRecorder", "init_args": {"plain": true}}'
+)
+
+
+def _test_outputs(model: Path, test: Path, root: Path, *strategy: str, recorder: str = RECORDER) -> Recorded:
+    """What :class:`OutputRecorder` recorded (``outputs``, and ``plain`` if asked) over the ranks of a ``test`` run:
+    ``{document: output}`` and the number of long documents."""
     args = [
         "test", *COMMON, *strategy,
         "--ckpt_path", str(model),
         "--trainer.default_root_dir", str(root),
-        "--trainer.callbacks+=tests.test_lockstep_decoding.OutputRecorder",
+        recorder,
         "--data.init_args.test_file", str(test),
         "--model.num_beams", "2",
         "--model.chunk_overlap", "4",
     ]  # fmt: skip
     # DETAIL checks that every rank issues the same collective with the same shapes, or fails naming both.
     check(cli(args, TORCH_DISTRIBUTED_DEBUG="DETAIL"))
-    outputs: dict[str, str] = {}
-    long = 0
-    for path in sorted(root.glob("outputs.rank*.json")):
-        rank = json.loads(path.read_text())
-        long += rank.pop("long")
-        assert not rank.keys() & outputs.keys(), "no document is decoded by two ranks"
-        outputs |= rank
-    return outputs, long
+    recorded = {}
+    for name in ("outputs", "plain"):
+        outputs: dict[str, str] = {}
+        long = 0
+        for path in sorted(root.glob(f"{name}.rank*.json")):
+            rank = json.loads(path.read_text())
+            long += rank.pop("long")
+            assert not rank.keys() & outputs.keys(), "no document is decoded by two ranks"
+            outputs |= rank
+        recorded[name] = outputs, long
+    return recorded
+
+
+@pytest.fixture(scope="module")
+def decoded(summarizer: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Recorded]:
+    """:func:`_test_outputs` of the summarizer with given options and recorder, each run once in the module: the
+    one-process reference that several tests compare with, and a launch that records what several tests check."""
+    runs: dict[tuple[str, ...], Recorded] = {}
+
+    def run(*options: str, recorder: str = RECORDER) -> Recorded:
+        key = (*options, recorder)
+        if key not in runs:
+            runs[key] = _test_outputs(*summarizer, tmp_path_factory.mktemp("decoded"), *options, recorder=recorder)
+        return runs[key]
+
+    return run
 
 
 # Sampling with a seed, and the other controls: a document's sample depends on the seed and the document alone, not
@@ -174,13 +222,18 @@ SAMPLING = [
     ("strategy", "controls"), [("ddp", []), ("zero3", []), ("ddp", SAMPLING)], ids=["ddp", "zero3", "ddp-sampling"]
 )
 def test_mixed_length_summaries_on_two_processes_equal_one_process(
-    strategy: str, controls: list[str], summarizer: tuple[Path, Path], tmp_path: Path
+    strategy: str, controls: list[str], decoded: Callable[..., Recorded]
 ) -> None:
-    model, test = summarizer
+    """The one-process reference without controls serves ``ddp`` and ``zero3``; one DDP launch decodes with the
+    sampling controls and plainly (:class:`OutputRecorder`'s ``plain``), for ``ddp-sampling`` and ``ddp``."""
     batches = ["--data.init_args.max_tokens", "32"] if controls else []  # one long or two short documents a batch
-    expected, long = _test_outputs(model, test, tmp_path / "single", "--trainer.devices", "1", *controls, *batches)
+    expected, long = decoded("--trainer.devices", "1", *controls, *batches)["outputs"]
     assert len(expected) == 6 and long == 2, "short and long documents, decoded"
-    outputs, _ = _test_outputs(model, test, tmp_path / strategy, "--config", STRATEGY_CONFIGS[strategy], *controls)
+    if strategy == "ddp":
+        recorded = decoded("--config", STRATEGY_CONFIGS["ddp"], *SAMPLING, recorder=PLAIN_TOO)
+        outputs, _ = recorded["outputs" if controls else "plain"]
+    else:
+        outputs, _ = decoded("--config", STRATEGY_CONFIGS[strategy], *controls)["outputs"]
     assert outputs == expected
 
 
@@ -195,8 +248,10 @@ def test_beam_search_in_lockstep_survives_a_dummy_call_stopped_before_any_hypoth
     finish a hypothesis. Beam search failed there (``max() arg is an empty sequence``) and the peer died with it."""
     model, test = summarizer
     injected = "--trainer.callbacks+=tests.test_lockstep_decoding.EndsEarly"
-    expected, _ = _test_outputs(model, test, tmp_path / "single", "--trainer.devices", "1", injected)
-    outputs, _ = _test_outputs(model, test, tmp_path / "zero3", "--config", STRATEGY_CONFIGS["zero3"], injected)
+    expected, _ = _test_outputs(model, test, tmp_path / "single", "--trainer.devices", "1", injected)["outputs"]
+    outputs, _ = _test_outputs(model, test, tmp_path / "zero3", "--config", STRATEGY_CONFIGS["zero3"], injected)[
+        "outputs"
+    ]
     assert outputs == expected
 
 
