@@ -238,16 +238,20 @@ def test_fsdp_on_a_data_config_clips_gradients_as_one_process(tmp_path: Path) ->
     assert max(abs(unclipped[i] - expected[i]) for i in expected) > 10 * LOSS_TOLERANCE, "clipping did not bite"
 
 
+@pytest.fixture(scope="module")
+def zero3_demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """ZeRO-3 on two processes on the shipped demo config (tied embeddings), which records the modules it hooks."""
+    root = tmp_path_factory.mktemp("zero3-demo")
+    check(cli(_demo_fit("zero3", root, "--trainer.callbacks+=tests.test_strategies.HookedModules")))
+    return root
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
-def test_zero3_folder_tests_and_exports(tied: bool, base: Path, tmp_path: Path) -> None:
+def test_zero3_folder_tests_and_exports(tied: bool, base: Path, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     """fit -> test from the ZeRO-3 folder -> export, with and without tied embeddings."""
-    if tied:
-        root = tmp_path / "run"
-        check(cli(_demo_fit("zero3", root)))
-    else:
-        root = reference_run("zero3", base)
+    root = request.getfixturevalue("zero3_demo") if tied else reference_run("zero3", base)
     folder = root / "checkpoints" / "last.ckpt"
     test_args = [
         "test", *(["--config", DEMO] if tied else []), *strategy_args("zero3"), *TINY,
@@ -283,13 +287,11 @@ class HookedModules(L.Callback):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_zero3_gathers_each_layer_as_one_unit(tmp_path: Path) -> None:
+def test_zero3_gathers_each_layer_as_one_unit(zero3_demo: Path) -> None:
     # DeepSpeed's default hooks every submodule, and that host time was more than the GPU's work in a step (44.5% of
     # DDP on an H100); the numbers are those of one process either way (test_loss_curve_and_weights_match_...).
-    args = fit_args(tmp_path, *strategy_args("zero3"), "--trainer.max_steps", "1", "--trainer.limit_val_batches", "0")
-    check(cli([*args, "--trainer.callbacks+=tests.test_strategies.HookedModules"]))
     for rank in (0, 1):
-        hooked = json.loads((tmp_path / f"hooked.rank{rank}.json").read_text())
+        hooked = json.loads((zero3_demo / f"hooked.rank{rank}.json").read_text())
         layers = [name for name in hooked if name.startswith(("model.encoder_layers.", "model.decoder_layers."))]
         assert layers == ["model.encoder_layers.0", "model.decoder_layers.0"], hooked
 
