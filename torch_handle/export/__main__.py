@@ -26,8 +26,8 @@ def main(args: list[str] | None = None) -> None:
         help="safetensors: one file for torch_handle.load; ctranslate2: a model folder for ctranslate2.Translator "
         "(needs pip install 'torch-handle[bench]'; an imported BART, mBART, Marian, PEGASUS or T5 v1.0 goes through "
         "CTranslate2's own converter, which needs transformers; the checkpoint may also be a .safetensors export); "
-        "hf: a Hugging "
-        "Face folder for transformers' from_pretrained (models of the BART, mBART, Marian, PEGASUS or T5 families)",
+        "hf: a Hugging Face folder for transformers' from_pretrained (models of the BART, mBART, Marian, PEGASUS or T5 "
+        "families)",
     )
     options = parser.parse_args(args)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
