@@ -185,7 +185,8 @@ def test_scores(output: str) -> dict[str, dict[str, float]]:
     """``{label: {ROUGE-1: .., GM: ..}}`` of the lines ``torch-handle test`` prints (model, Lead, naive)."""
     found = {}
     for match in _SCORE_LINE.finditer(output):
-        found[match["label"]] = {name: float(value) for name, value in re.findall(r"(\S+) ([\d.]+)", match["scores"])}
+        label = "model" if match["label"].startswith("model") else match["label"]  # "model (long documents cut)"
+        found[label] = {name: float(value) for name, value in re.findall(r"(\S+) ([\d.]+)", match["scores"])}
     if "model" not in found:
         raise SystemExit("error: torch-handle test printed no scores: see its log")
     return found

@@ -24,7 +24,8 @@ from torch_handle.data.tokenizer import Specials
 from torch_handle.hierarchical import chunk_spans, summarize
 from torch_handle.lightning_cli import TorchHandleCLI
 from torch_handle.metrics import ROUGE_KEYS, Rouge, split_sentences
-from torch_handle.model import Transformer
+from torch_handle.model import Transformer, generate
+from torch_handle.model.logits import DecodingControls
 from torch_handle.module import Seq2SeqModule
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -216,6 +217,36 @@ def test_longest_meeting_is_summarized_hierarchically_by_predict(
     rouge = Rouge()
     rouge.update([summary], [longest["summary"]])
     assert all(0.0 <= float(v) <= 1.0 for v in rouge.compute().values())
+
+
+@needs_qmsum
+def test_long_documents_cut_are_summarized_from_their_first_tokens_in_one_pass(
+    meetings: list[dict[str, Any]], tokenizer_file: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``--model.long_documents cut``: a meeting over ``max_source_tokens`` is decoded as the collator cut it, as
+    training reads it: no windows, and the summary ``generate`` writes from its first 511 tokens and ``<eos>``."""
+    rows = [{"document": r["document"]} for r in meetings[:2]]
+    data = SummarizationDataModule(
+        predict_file=str(_write_jsonl(tmp_path / "two.jsonl", rows)), tokenizer_path=str(tokenizer_file),
+        max_source_tokens=512,
+    )  # fmt: skip
+    sampled = {"num_beams": 1, "do_sample": True, "seed": 1}  # an untrained model's greedy output ignores the source
+    module = _tiny_module(data.vocab_size, long_documents="cut", **sampled)
+    with caplog.at_level(logging.INFO, logger="torch_handle.hierarchical"):
+        predictions = [text for batch in _trainer().predict(module, datamodule=data) for text in batch]
+    assert "level 0:" not in caplog.text, "decoded in windows"
+    ids = data.tokenizer.encode_batch([r["document"] for r in rows])
+    assert min(map(len, ids)) > 512
+    src = torch.tensor([row[:511] + [EOS_ID] for row in ids])
+    module.model.eval()
+    controls = DecodingControls(do_sample=True, seed=1)
+    want = data.tokenizer.decode_batch(generate(module.model, src, max_new_tokens=12, controls=controls).tolist())
+    assert predictions == want and len(set(want)) == 2
+    windows = _tiny_module(data.vocab_size, **sampled)  # the default reads the rest too
+    windows.load_state_dict(module.state_dict())
+    with caplog.at_level(logging.INFO, logger="torch_handle.hierarchical"):
+        _trainer().predict(windows, datamodule=data)
+    assert "level 0:" in caplog.text
 
 
 @needs_qmsum

@@ -165,7 +165,7 @@ def test_truncation_is_reported_only_where_documents_are_cut(tmp_path: Path, cap
         warnings.simplefilter("error")  # any warning fails
         data.setup("test")
         data.setup("predict")
-    said = f"{path}: 1 of 2 sources over 15 tokens are read whole, in windows"
+    said = f"{path}: 1 of 2 sources over 15 tokens are read whole, in windows (or cut: --model.long_documents cut)"
     assert [r.getMessage() for r in caplog.records if r.getMessage().startswith(said)] == [
         f"{said}; the test loss reads their first 15",
         said,

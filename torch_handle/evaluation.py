@@ -216,7 +216,8 @@ class Evaluation(L.LightningModule):
                 for name, label in (("bleu", "BLEU"), ("chrf", "chrF2"))
                 if f"{stage}/{name}" in logged
             ]
-        labels = {"": "model"} | baseline_labels(self.hparams.lead_words, self._naive_ratio)
+        model = "model" if self.hparams.long_documents == "windows" else "model (long documents cut)"
+        labels = {"": model} | baseline_labels(self.hparams.lead_words, self._naive_ratio)
         lines = [rouge_line(label, logged, f"{stage}/{prefix}") for prefix, label in labels.items()]
         return [*filter(None, lines), f"({self.eval_metrics[stage]['score'].signature})"]
 
@@ -252,6 +253,8 @@ class Evaluation(L.LightningModule):
             self._wait_for_other_ranks()
             return out
         long = batch["src_truncated"]  # cut by the collator: too long for one pass
+        if self.hparams.long_documents == "cut":  # decoded as the collator cut them, as training reads them
+            long = [False] * len(long)
         out = [""] * len(long)
         short = [i for i, is_long in enumerate(long) if not is_long]
         if short:

@@ -27,6 +27,7 @@ RUNTIME = frozenset(
         "lead_words",
         "naive_ratio",
         "chunk_overlap",
+        "long_documents",
         "transformer.attention_backend",
         "transformer.activation_checkpointing",
         *(field.name for field in dataclasses.fields(DecodingControls)),

@@ -80,6 +80,10 @@ class Seq2SeqModule(Evaluation, Optimization):
             that file the naive baseline is skipped.
         chunk_overlap: Summarization documents longer than ``--data.max_source_tokens`` are summarized
             hierarchically (see :func:`torch_handle.summarize`) in windows that share this many tokens.
+        long_documents: What ``test`` and ``predict`` do with a summarization document longer than
+            ``--data.max_source_tokens``: ``windows`` summarizes all of it hierarchically (``chunk_overlap``); ``cut``
+            summarizes its first ``max_source_tokens``, as training reads it, in one pass (as SCROLLS's baselines
+            truncate): the cheaper decoding, blind to the rest.
         context_parallel: Processes that share each batch and split its sources (1 = off): each encodes
             ``S / context_parallel`` consecutive positions of every source, exchanging ``window`` keys and values with
             its neighbours in each layer, and the decoder runs replicated on them; activation memory per process falls
@@ -122,6 +126,7 @@ class Seq2SeqModule(Evaluation, Optimization):
         lead_words: int = 100,
         naive_ratio: float | None = None,
         chunk_overlap: int = 256,
+        long_documents: Literal["windows", "cut"] = "windows",
         context_parallel: int = 1,
         compile: bool = False,
         init_from: str | None = None,

@@ -364,7 +364,9 @@ class Seq2SeqDataModule(LightningDataModule, ABC):
         """The truncation policy's checks of a split's sources and targets."""
         c = self.collator
         loss = f"; the test loss reads their first {c.max_source_tokens - 1}" if split == "test" else ""
-        whole = f", in windows{loss}" if split in self.whole_source_splits else None
+        whole = (
+            f", in windows (or cut: --model.long_documents cut){loss}" if split in self.whole_source_splits else None
+        )
         return (
             LengthCheck("source", text.source_origin, c.max_source_tokens - 1, self.truncation, whole),
             LengthCheck("target", text.target_origin, c.max_target_tokens - 2, self.truncation),
