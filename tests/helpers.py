@@ -222,9 +222,10 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 
 def comparable(name: str, weight: torch.Tensor) -> torch.Tensor:
-    """The weight without the key third of a packed bias: softmax ignores a constant added to every score, so that
-    bias's true gradient is zero and AdamW turns its rounding noise (1e-9, differently summed) into full steps."""
-    if name.endswith("in_proj.bias"):
+    """The weight without the key third of a packed bias (LED's global projection's too): softmax ignores a constant
+    added to every score, so that bias's true gradient is zero and AdamW turns its rounding noise (1e-9, differently
+    summed) into full steps."""
+    if name.endswith(("in_proj.bias", "global_proj.bias")):
         q, _, v = weight.chunk(3)
         return torch.cat((q, v))
     return weight

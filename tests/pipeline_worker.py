@@ -49,6 +49,10 @@ CASES = {
     "post-ln-learned-tied-untied-vocab-bart": {"norm_first": False, "position": "learned", "tie_embeddings": True,
                                                "src_vocab_size": 40, "position_offset": 2, "layernorm_embedding": True,
                                                "final_norm": False, "final_logits_bias": True},
+    # LED: local windows plus a global first token whose queries, keys and values come from projections of their own
+    # (split by heads as the others), BART's learned positions after an offset
+    "led": {"norm_first": False, "position": "learned", "position_offset": 2, "encoder_attention": "longformer",
+            "window": 4, "global_tokens": 1, "activation": "gelu"},
     # T5 v1.1: relative-bias tables split by heads, RMSNorm, no biases, a gated feed-forward, heads wider than
     # d_model / num_heads, and few buckets over a short distance, so the logarithmic buckets are used too
     "t5-v1.1": {**T5, "activation": "gelu_tanh", "gated_ff": True, "attention_head_dim": 8, "relative_buckets": 8,

@@ -54,6 +54,10 @@ CASES = {
     # d_model / num_heads, and few buckets over a short distance, so the logarithmic buckets are used too
     "t5-v1.1": {**T5, "activation": "gelu_tanh", "gated_ff": True, "attention_head_dim": 8, "relative_buckets": 8,
                 "relative_max_distance": 12},
+    # LED: local windows plus a global first token whose queries, keys and values come from projections of their own
+    # (split by heads as the others), BART's learned positions after an offset
+    "led": {"norm_first": False, "position": "learned", "position_offset": 2, "encoder_attention": "longformer",
+            "window": 4, "global_tokens": 1, "activation": "gelu"},
     "pre-ln-naive-checkpointed": {"norm_first": True, "attention_backend": "naive", "activation_checkpointing": True},
 }  # fmt: skip
 

@@ -70,6 +70,8 @@ def test_the_heads_feed_forward_and_vocabulary_are_split_the_rest_replicated(res
         "ff.linear1.weight", "ff.linear1.bias", "ff.linear2.weight",
     }  # fmt: skip
     assert len(sharded) == 2 * 5 + 2 * 7  # 2 encoder layers (5 each), 2 decoder layers (7 each)
+    led = {name.split(".", 2)[2] for name in results["led"]["sharded"] if name.startswith("encoder_layers.")}
+    assert "self_attn.global_proj.weight" in led  # LED's global tokens' heads, split as the others
 
 
 def test_heads_that_do_not_divide_are_one_line() -> None:

@@ -290,12 +290,6 @@ class Seq2SeqModule(Evaluation, Optimization):
                 "deepspeed, or set --model.context_parallel 1"
             )
         plan = self._plan()
-        for strategy, size in (("tensor", plan.tensor_parallel_size), ("pipeline", plan.pipeline_size)):
-            if size > 1 and self.model.config.encoder_attention == "longformer":  # global_proj has no plan yet
-                raise SetupError(
-                    f"{strategy} parallelism does not split transformer.encoder_attention='longformer' (LED's) yet: "
-                    "train this model with ddp, zero or fsdp"
-                )
         if plan.pipeline_size > 1 and self.hparams.generate_every_n_val_epochs:
             raise SetupError(
                 f"--model.generate_every_n_val_epochs={self.hparams.generate_every_n_val_epochs}: a pipeline cannot "

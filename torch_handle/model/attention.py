@@ -202,9 +202,21 @@ class MultiHeadAttention(nn.Module):
         """The outputs ``(B, H, G, D)`` of the ``G`` global tokens of ``x (B, T, C)``: their ``global_proj`` queries
         over every position's ``global_proj`` keys and values, padding aside (``G x T`` scores: a few rows). The
         module is called whole (int8 decoding replaces it); the queries of the other positions go unused."""
-        q, k, v = (self._heads(t) for t in self.global_proj(x).chunk(3, dim=-1))  # type: ignore[misc] - set
+        q, k, v = (self._heads(t) for t in self.global_projection(x).chunk(3, dim=-1))
         q = q[:, :, : spec.global_keys]  # (B, H, G, D)
         return attend(q, k, v, MaskSpec(key_padding=spec.key_padding), self.backend, dropout_p)
+
+    def global_projection(self, x: Tensor) -> Tensor:
+        """``global_proj(x)``, the global tokens' packed queries, keys and values; tensor parallelism computes this
+        process's heads' rows instead."""
+        return self.global_proj(x)  # type: ignore[misc] - set under longformer attention
+
+    def packed_weights(self) -> list[tuple[str, nn.Parameter]]:
+        """The packed query/key/value weights ``(3C, C)`` by name: ``in_proj``'s, and LED's ``global_proj``'s."""
+        packed = [("in_proj.weight", self.in_proj.weight)]
+        if self.global_proj is not None:
+            packed.append(("global_proj.weight", self.global_proj.weight))
+        return packed
 
     def project(self, x: Tensor, part: str) -> Tensor:
         """``x`` times the packed projection's rows named by ``part``: ``"qkv"`` all of them (self-attention),

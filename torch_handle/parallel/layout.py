@@ -23,13 +23,21 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from torch_handle.model.attention import MultiHeadAttention
 
+PACKED = ("in_proj.weight", "global_proj.weight")
+"""The names' endings of packed query/key/value weights (:meth:`MultiHeadAttention.packed_weights`)."""
+
 OPTIMIZER_STATE = "state."
 """The prefix of a flattened optimizer state's per-parameter keys (``state.<parameter name>.exp_avg``)."""
 
 
 def packed_names(module: nn.Module) -> set[str]:
     """The ``state_dict`` names of every packed query/key/value weight in ``module``."""
-    return {f"{name}.in_proj.weight" for name, m in module.named_modules() if isinstance(m, MultiHeadAttention)}
+    return {
+        f"{name}.{weight}"
+        for name, m in module.named_modules()
+        if isinstance(m, MultiHeadAttention)
+        for weight, _ in m.packed_weights()
+    }
 
 
 def is_packed(key: str, value: Any, packed: set[str]) -> bool:
@@ -73,4 +81,4 @@ def to_heads_layout(state: Mapping[str, Any], packed: set[str]) -> dict[str, Any
 
 def from_heads_layout(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """A whole (gathered) model state dict read from a sharded checkpoint, packed weights back to ``(3C, C)``."""
-    return {k: v.flatten(0, 1) if k.endswith("in_proj.weight") and v.dim() == 3 else v for k, v in state_dict.items()}
+    return {k: v.flatten(0, 1) if k.endswith(PACKED) and v.dim() == 3 else v for k, v in state_dict.items()}

@@ -29,7 +29,7 @@ from torch_handle.parallel.pipeline import StageModule
 
 def _placement(model: nn.Module) -> Callable[[nn.Parameter], Shard | None]:
     """Dim 1 for ``model``'s packed query/key/value weights, FSDP2's dim-0 default elsewhere."""
-    packed = {id(m.in_proj.weight) for m in model.modules() if isinstance(m, MultiHeadAttention)}
+    packed = {id(w) for m in model.modules() if isinstance(m, MultiHeadAttention) for _, w in m.packed_weights()}
     return lambda param: Shard(1) if id(param) in packed else None
 
 

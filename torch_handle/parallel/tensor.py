@@ -138,10 +138,10 @@ class TensorParallelAttention(MultiHeadAttention):
     tp_mesh: DeviceMesh
 
     def packed_projection(self) -> tuple[Tensor, Tensor | None]:
-        bias = self.in_proj.bias
-        if bias is not None:  # T5 has none
-            bias = bias.redistribute(self.tp_mesh, [HEADS]).to_local()  # backward gathers its gradient
-        return self.in_proj.weight.to_local(), bias  # [q_r; k_r; v_r]
+        return _local_heads(self.in_proj, self.tp_mesh)
+
+    def global_projection(self, x: Tensor) -> Tensor:
+        return F.linear(x, *_local_heads(self.global_proj, self.tp_mesh))  # type: ignore[arg-type] - set
 
     def forward(self, x: Tensor, spec: MaskSpec, memory: Tensor | None = None, **kwargs: Any) -> Tensor:
         x = _enter_parallel_region(x, self.tp_mesh)
@@ -150,12 +150,23 @@ class TensorParallelAttention(MultiHeadAttention):
         return super().forward(x, spec, memory, **kwargs)
 
 
+def _local_heads(packed: nn.Linear, mesh: DeviceMesh) -> tuple[Tensor, Tensor | None]:
+    """This rank's rows ``[q_r; k_r; v_r]`` of a packed projection's weight and bias."""
+    bias = packed.bias
+    if bias is not None:  # T5 has none
+        bias = bias.redistribute(mesh, [HEADS]).to_local()  # backward gathers its gradient
+    return packed.weight.to_local(), bias
+
+
 def _shard_attention(attention: MultiHeadAttention, mesh: DeviceMesh) -> None:
-    attention.in_proj.weight = nn.Parameter(distribute_tensor(attention.in_proj.weight.data, mesh, [HEADS]))
-    # The bias stays whole (3C numbers): FSDP2 could not shard a vector split this way once more and still gather
-    # it right (its full_tensor() would interleave wrongly); each rank slices its heads out in the forward pass.
-    if attention.in_proj.bias is not None:
-        attention.in_proj.bias = nn.Parameter(DTensor.from_local(attention.in_proj.bias.data, mesh, [Replicate()]))
+    for packed in filter(None, (attention.in_proj, attention.global_proj)):  # LED's global tokens have their own
+        weight = distribute_tensor(packed.weight.data, mesh, [HEADS])
+        packed.weight = nn.Parameter(weight, requires_grad=packed.weight.requires_grad)  # LED's may be frozen
+        # The bias stays whole (3C numbers): FSDP2 could not shard a vector split this way once more and still gather
+        # it right (its full_tensor() would interleave wrongly); each rank slices its heads out in the forward pass.
+        if packed.bias is not None:
+            bias = DTensor.from_local(packed.bias.data, mesh, [Replicate()])
+            packed.bias = nn.Parameter(bias, requires_grad=packed.bias.requires_grad)
     parallelize_module(attention.out_proj, mesh, RowwiseParallel())
     attention.__class__ = TensorParallelAttention
     attention.tp_mesh = mesh
