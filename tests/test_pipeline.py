@@ -156,10 +156,12 @@ def test_two_pipeline_stages_train_as_one_process(tmp_path: Path) -> None:
     """Without dropout, 4 steps of 2 accumulated batches on 2 stages end with one process's weights: the schedule's
     backward passes, the accumulation and the tied embedding's summed gradients are Lightning's step. The stages'
     step-2 shards, keyed by parameter name, also continue on one process holding the whole model, to the same end;
-    throughput counts each batch once. The model starts from a tiny Hugging Face BART folder (tied embeddings)."""
-    accumulate, bart = ("--trainer.accumulate_grad_batches", "2"), ("--model.init_from", str(pretrained_folder("bart")))
-    check(cli(_pp_args(tmp_path / "one", 1, *ONE_STAGE, *accumulate, *bart, *csv_logger(tmp_path / "one"))))
-    check(cli(_pp_args(tmp_path / "two", 2, *accumulate, *bart, *csv_logger(tmp_path / "two"))))
+    throughput counts each batch once. The model starts from a tiny Hugging Face LED folder (BART's layers and tied
+    embeddings, sliding windows, a global first token with projections of its own)."""
+    accumulate = ("--trainer.accumulate_grad_batches", "2", "--data.init_args.max_source_tokens", "60")
+    led = ("--model.init_from", str(pretrained_folder("led")))
+    check(cli(_pp_args(tmp_path / "one", 1, *ONE_STAGE, *accumulate, *led, *csv_logger(tmp_path / "one"))))
+    check(cli(_pp_args(tmp_path / "two", 2, *accumulate, *led, *csv_logger(tmp_path / "two"))))
     for count in ("train/samples", "train/lengths"):  # both stages compute one batch: globally, it counts once
         assert logged(tmp_path / "two", count) == logged(tmp_path / "one", count), count
     shards = tmp_path / "two" / "checkpoints" / "epoch=0-step=2.ckpt"

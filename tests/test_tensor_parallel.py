@@ -122,11 +122,12 @@ def tp_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_two_tensor_parallel_processes_train_as_one(tmp_path: Path) -> None:
-    """Started from a tiny Hugging Face BART folder, without dropout, 4 steps on 2 processes that split every layer
-    end with one process's weights; throughput counts each batch once."""
-    bart = ("--model.init_from", str(pretrained_folder("bart")))
-    check(cli(_tp_args(tmp_path / "one", 1, *bart, *csv_logger(tmp_path / "one"))))
-    check(cli(_tp_args(tmp_path / "two", 2, *bart, *csv_logger(tmp_path / "two"))))
+    """Started from a tiny Hugging Face LED folder (BART's layers, sliding windows, a global first token with
+    projections of its own), without dropout, 4 steps on 2 processes that split every layer end with one process's
+    weights; throughput counts each batch once."""
+    led = ("--model.init_from", str(pretrained_folder("led")), "--data.init_args.max_source_tokens", "60")
+    check(cli(_tp_args(tmp_path / "one", 1, *led, *csv_logger(tmp_path / "one"))))
+    check(cli(_tp_args(tmp_path / "two", 2, *led, *csv_logger(tmp_path / "two"))))
     for count in ("train/samples", "train/lengths"):  # both processes compute one batch: globally, it counts once
         assert logged(tmp_path / "two", count) == logged(tmp_path / "one", count), count
     want, got = checkpoint_weights(tmp_path / "one"), checkpoint_weights(tmp_path / "two")
@@ -136,7 +137,8 @@ def test_two_tensor_parallel_processes_train_as_one(tmp_path: Path) -> None:
     # The two processes' sharded checkpoint of step 2 continues on one process (weights and AdamW moments by heads
     # into whole tensors) and ends there too.
     checkpoint = tmp_path / "two" / "checkpoints" / "epoch=0-step=2.ckpt"
-    check(cli(_tp_args(tmp_path / "continued", 1, "--ckpt_path", str(checkpoint))))  # the architecture inside
+    continued = _tp_args(tmp_path / "continued", 1, "--ckpt_path", str(checkpoint), *led[2:])  # the model inside
+    check(cli(continued))
     assert_weights_close(want, checkpoint_weights(tmp_path / "continued"))
 
 
