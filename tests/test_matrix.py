@@ -5,8 +5,10 @@ with a strategy config and run through ``fit`` -> ``test`` -> ``predict`` -> exp
 with only size fields overridden. The data are small subsets of ``../shared/data`` cut to make the shards uneven: fewer
 validation batches than ranks, an odd number of test batches, short documents mixed with documents longer
 than ``max_source_tokens`` (summarized in windows), a prediction line longer than ``max_len``. ``test`` on two
-processes must report the metrics of one process on the same checkpoint (for a sharded checkpoint, one process of
-the default strategy, which merges the shards), and the exported model must predict what the checkpoint predicts.
+processes must report the metrics of one process of the default strategy on the same checkpoint (which merges a
+sharded one), and the exported model must predict what the checkpoint predicts. The one-process runs of the default
+strategy (the reference ``test``, ``predict`` from the export) run inside the test process: a launch's start-up each
+saved, where the strategy's own code is not what they check.
 
 Every combination is its own set of test ids, one per step (``demo-zero3-test``), so a CI report reads as a
 table of combination x step. A step reuses its combination's trained run; a step whose run failed fails too.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import re
 import subprocess
 from dataclasses import dataclass
@@ -62,6 +65,7 @@ COMBOS = [
     ("summarization", "pp"),  # ... the pooled memory of a local-attention ALiBi encoder carried to the decoder stage
 ]
 STEPS = ["fit", "test", "predict", "export"]
+STRATEGIES = {*STRATEGY_CONFIGS, "tp", "pp"}
 
 
 @dataclass
@@ -157,13 +161,16 @@ class Run:
 
     root: Path
     data: Data
-    config: list[str]
+    config: list[str]  # --config options: the data config, the strategy config, any stacked on them (ema)
+    without_strategy: list[str]  # the same without the strategy config
     fit_error: str | None = None
     predictions: list[str] | None = None
 
-    def args(self, subcommand: str, *extra: str, devices: int | None = None, strategy: bool = True) -> list[str]:
-        """``cli.py SUBCOMMAND`` arguments: the stacked configs, the size overrides, then ``extra``."""
-        config = self.config if strategy else self.config[:2]
+    def args(
+        self, subcommand: str, *extra: str, devices: int | None = None, config: list[str] | None = None
+    ) -> list[str]:
+        """``cli.py SUBCOMMAND`` arguments: the stacked configs (or ``config``), the size overrides, then ``extra``."""
+        config = self.config if config is None else config
         chosen = [] if devices is None else ["--trainer.devices", str(devices)]
         if devices == 1:  # one process splits nothing (the context-parallel config asks for 2)
             chosen += ["--model.context_parallel", "1"]
@@ -213,10 +220,13 @@ def _fitted(data: str, strategy: str, base: Path) -> Run:
     if key not in _runs:
         folder = base / f"{data}-{strategy}"
         folder.mkdir()
-        config = ["--config", f"configs/{data}.yaml"]  # then the strategy's, then any stacked on it ("ddp+ema")
+        config = ["--config", str(ROOT / "configs" / f"{data}.yaml")]  # then the strategy's, any stacked ("ddp+ema")
+        without_strategy = list(config)
         for name in strategy.split("+"):
-            config += ["--config", STRATEGY_CONFIGS.get(name, f"configs/{name}.yaml")]
-        run = _runs[key] = Run(folder / "run", _data(data, folder), config)
+            stacked = ["--config", str(ROOT / STRATEGY_CONFIGS.get(name, f"configs/{name}.yaml"))]
+            config += stacked
+            without_strategy += [] if name in STRATEGIES else stacked
+        run = _runs[key] = Run(folder / "run", _data(data, folder), config, without_strategy)
         try:
             _launch(run.args("fit"))
             last = run.root / "checkpoints" / "last.ckpt"
@@ -234,22 +244,50 @@ def _fitted(data: str, strategy: str, base: Path) -> Run:
     return run
 
 
-def _test_metrics(run: Run, devices: int, strategy: bool = True) -> dict[str, float]:
-    """``test`` metrics of the run's last checkpoint on ``devices`` processes (with the strategy config, or the data
-    config's default strategy), from Lightning's CSV logger."""
-    logs = run.root.parent / f"test-{devices}{'' if strategy else '-default-strategy'}"
+def _in_this_process(args: list[str], root: Path) -> None:
+    """``cli.py ARGS`` in this process, writing under ``root``: one process of the default strategy (no process
+    group), on one intra-op thread as a launch is (``OMP_NUM_THREADS``), the environment restored after (Lightning
+    exports its seed). Its run folder stays locked until this process ends: never one that a launch uses next."""
+    from torch_handle.cli import main
+
+    threads, environ = torch.get_num_threads(), dict(os.environ)
+    torch.set_num_threads(1)
+    try:
+        main([*args, "--trainer.default_root_dir", str(root), "--trainer.strategy", "auto"])
+    except SystemExit as err:
+        pytest.fail(f"{args[0]} in this process exited: {err}")
+    finally:
+        torch.set_num_threads(threads)
+        os.environ.clear()
+        os.environ.update(environ)
+
+
+def _test_metrics(run: Run, devices: int) -> dict[str, float]:
+    """``test`` metrics of the run's last checkpoint, from Lightning's CSV logger: on ``devices`` processes of the
+    strategy config, or (one) in this process by the default strategy."""
+    logs = run.root.parent / f"test-{devices}"
     logger = ["--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", str(logs)]
-    _launch(run.args("test", *logger, devices=devices, strategy=strategy))
+    if devices == 1:
+        last = ["--ckpt_path", str(run.root / "checkpoints" / "last.ckpt")]
+        one_process = run.args("test", *logger, *last, devices=1, config=run.without_strategy)
+        _in_this_process(one_process, run.root.parent / "one-process")
+    else:
+        _launch(run.args("test", *logger, devices=devices))
     (metrics,) = logs.rglob("metrics.csv")
     with metrics.open() as f:
         rows = list(csv.DictReader(f))
     return {k: float(v) for row in rows for k, v in row.items() if k.startswith("test/") and v}
 
 
-def _predict(run: Run, name: str, *extra: str, strategy: bool = True) -> list[str]:
+def _predict(run: Run, name: str, *extra: str, exported: bool = False) -> list[str]:
+    """Predictions on one process: of the strategy config, launched, or from an export (``extra`` names it) in this
+    process, by the data config alone."""
     output = run.root.parent / f"{name}.txt"
     files = ["--data.init_args.predict_file", str(run.data.predict_file), "--prediction_writer.output", str(output)]
-    _launch(run.args("predict", *files, *extra, devices=1, strategy=strategy))
+    if exported:
+        _in_this_process(run.args("predict", *files, *extra, devices=1, config=run.config[:2]), output.with_suffix(""))
+    else:
+        _launch(run.args("predict", *files, *extra, devices=1))
     return output.read_text().splitlines()
 
 
@@ -272,9 +310,8 @@ def _inputs(run: Run) -> int:
 def test_shipped_config(data: str, strategy: str, step: str, base: Path) -> None:
     run = _fitted(data, strategy, base)
     if step == "test":
-        # Shards are scored on one process by the default strategy, which must merge them: that run is the reference.
-        sharded = (run.root / "checkpoints" / "last.ckpt").is_dir()
-        two, one = _test_metrics(run, devices=2), _test_metrics(run, devices=1, strategy=not sharded)
+        # The reference: one process of the default strategy, which merges a sharded checkpoint.
+        two, one = _test_metrics(run, devices=2), _test_metrics(run, devices=1)
         scores = {"test/bleu"} if data in ("demo", "multi30k") else {"test/rouge1", "test/rougeL", "test/lead_rouge1"}
         assert scores | {"test/loss"} <= one.keys(), f"test logged {sorted(one)}"
         assert two == pytest.approx(one, rel=1e-5, abs=1e-6), "test metrics on 2 processes differ from 1 process"
@@ -287,7 +324,7 @@ def test_shipped_config(data: str, strategy: str, step: str, base: Path) -> None
             export_main([str(run.root / "checkpoints" / "last.ckpt"), str(exported)])
         except SystemExit as err:
             pytest.fail(f"export exited: {err}")
-        from_export = _predict(run, "exported", "--ckpt_path", str(exported), strategy=False)
+        from_export = _predict(run, "exported", "--ckpt_path", str(exported), exported=True)
         assert len(from_export) == _inputs(run)
         assert run.predictions is not None, "no predictions from the checkpoint (its predict step failed)"
         assert from_export == run.predictions, "the exported model predicts differently from its checkpoint"
