@@ -165,20 +165,6 @@ def cli(
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
-def cli_commands(commands: list[list[str]], timeout: float = RUN_TIMEOUT) -> list[subprocess.CompletedProcess]:
-    """What ``python cli.py ARGS`` gives for each ``ARGS`` of ``commands``, the commands run in turn in one process
-    (``tests/cli_commands.py``): one start-up, Lightning's import above all, for commands that end before loading
-    anything, as a refused input does."""
-    with tempfile.TemporaryDirectory() as folder:
-        out = Path(folder) / "results.json"
-        check(cli([str(out), *map(json.dumps, commands)], timeout, script="tests/cli_commands.py"))
-        results = json.loads(out.read_text())
-    return [
-        subprocess.CompletedProcess([sys.executable, "cli.py", *args], r["returncode"], r["stdout"], r["stderr"])
-        for args, r in zip(commands, results, strict=True)
-    ]
-
-
 def torchrun_results(worker: str, processes: int, out: Path, *args: str) -> list[dict[str, Any]]:
     """The JSON lines that ``tests/WORKER OUT ARGS``, run on ``processes`` gloo processes by torch.distributed.run,
     wrote to ``out``; a hang fails after :data:`RUN_TIMEOUT`. The checkout is on the path: workers import

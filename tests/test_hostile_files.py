@@ -26,7 +26,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import torch_handle
-from tests.helpers import check, cli, cli_commands, fit_args
+from tests.helpers import check, cli, fit_args
+from tests.one_process import cli_commands
 from torch_handle import checkpoints, export
 from torch_handle.checkpoints import CheckpointError, check_checkpoint
 from torch_handle.export import exported as reading
@@ -223,7 +224,7 @@ Refusals = dict[tuple[str, str], tuple[Path, subprocess.CompletedProcess]]  # (k
 def commands_run(bases: _Bases, tmp_path_factory: pytest.TempPathFactory) -> Refusals:
     """Every command of :data:`COMMANDS` on a polyglot where each strategy's checkpoint would be unpickled, each in
     its own copy of the run folder: (kind, command) -> (the marker, the command's result). They run in one process
-    (:func:`~tests.helpers.cli_commands`): each refuses while parsing its options, before it loads anything."""
+    (:func:`~tests.one_process.cli_commands`): each refuses while parsing its options, before it loads anything."""
     root = tmp_path_factory.mktemp("commands")
     planted = {}
     for kind, target in POLYGLOTS:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import re
 import subprocess
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ import pytest
 import torch
 
 from tests.helpers import ROOT, STRATEGY_CONFIGS, TINY_MODEL, cli
+from tests.one_process import in_this_process
 from torch_handle.data.demo import demo_corpus
 from torch_handle.export.__main__ import main as export_main
 
@@ -244,24 +244,6 @@ def _fitted(data: str, strategy: str, base: Path) -> Run:
     return run
 
 
-def _in_this_process(args: list[str], root: Path) -> None:
-    """``cli.py ARGS`` in this process, writing under ``root``: one process of the default strategy (no process
-    group), on one intra-op thread as a launch is (``OMP_NUM_THREADS``), the environment restored after (Lightning
-    exports its seed). Its run folder stays locked until this process ends: never one that a launch uses next."""
-    from torch_handle.cli import main
-
-    threads, environ = torch.get_num_threads(), dict(os.environ)
-    torch.set_num_threads(1)
-    try:
-        main([*args, "--trainer.default_root_dir", str(root), "--trainer.strategy", "auto"])
-    except SystemExit as err:
-        pytest.fail(f"{args[0]} in this process exited: {err}")
-    finally:
-        torch.set_num_threads(threads)
-        os.environ.clear()
-        os.environ.update(environ)
-
-
 def _test_metrics(run: Run, devices: int) -> dict[str, float]:
     """``test`` metrics of the run's last checkpoint, from Lightning's CSV logger: on ``devices`` processes of the
     strategy config, or (one) in this process by the default strategy."""
@@ -270,7 +252,7 @@ def _test_metrics(run: Run, devices: int) -> dict[str, float]:
     if devices == 1:
         last = ["--ckpt_path", str(run.root / "checkpoints" / "last.ckpt")]
         one_process = run.args("test", *logger, *last, devices=1, config=run.without_strategy)
-        _in_this_process(one_process, run.root.parent / "one-process")
+        in_this_process(one_process, run.root.parent / "one-process")
     else:
         _launch(run.args("test", *logger, devices=devices))
     (metrics,) = logs.rglob("metrics.csv")
@@ -285,7 +267,7 @@ def _predict(run: Run, name: str, *extra: str, exported: bool = False) -> list[s
     output = run.root.parent / f"{name}.txt"
     files = ["--data.init_args.predict_file", str(run.data.predict_file), "--prediction_writer.output", str(output)]
     if exported:
-        _in_this_process(run.args("predict", *files, *extra, devices=1, config=run.config[:2]), output.with_suffix(""))
+        in_this_process(run.args("predict", *files, *extra, devices=1, config=run.config[:2]), output.with_suffix(""))
     else:
         _launch(run.args("predict", *files, *extra, devices=1))
     return output.read_text().splitlines()
