@@ -23,6 +23,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from tests.helpers import STRATEGY_CONFIGS, TINY_MODEL, check, cli
+from tests.one_process import in_this_process
 from torch_handle.export import export
 from torch_handle.model import CompiledDecode, Transformer, TransformerConfig
 from torch_handle.model.generation import generate
@@ -134,6 +135,9 @@ class EndsEarly(Callback):
         pl_module._wait_for_other_ranks, model.decode = waiting, decode_ending_early
 
 
+ONE_PROCESS = ("--trainer.devices", "1")  # such a run needs no launch: tests.one_process.in_this_process
+
+
 @pytest.fixture(scope="module")
 def summarizer(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A tiny summarizer exported after one training step, and a test set of 4 short and 2 long documents: one
@@ -144,14 +148,13 @@ def summarizer(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     test = _write_jsonl(root / "test.jsonl", _documents(rng, 4, (2, 4)) + _documents(rng, 2, (40, 90)))
     args = [
         "fit", *MODEL, *COMMON,
-        "--trainer.default_root_dir", str(root / "fit"),
-        "--trainer.devices", "1",
+        *ONE_PROCESS,
         "--trainer.max_steps", "1",
         "--trainer.limit_val_batches", "0",
         "--data.init_args.train_file", str(train),
         "--data.init_args.bpe_vocab_size", "300",
     ]  # fmt: skip
-    check(cli(args))
+    in_this_process(args, root / "fit")
     return export(root / "fit" / "checkpoints" / "last.ckpt", root / "model.safetensors"), test
 
 
@@ -163,8 +166,9 @@ PLAIN_TOO = (
 
 
 def _test_outputs(model: Path, test: Path, root: Path, *strategy: str, recorder: str = RECORDER) -> Recorded:
-    """What :class:`OutputRecorder` recorded (``outputs``, and ``plain`` if asked) over the ranks of a ``test`` run:
-    ``{document: output}`` and the number of long documents."""
+    """What :class:`OutputRecorder` recorded (``outputs``, and ``plain`` if asked) over the ranks of a ``test`` run,
+    launched, or in this process if ``strategy`` starts with :data:`ONE_PROCESS`: ``{document: output}`` and the number
+    of long documents."""
     args = [
         "test", *COMMON, *strategy,
         "--ckpt_path", str(model),
@@ -174,8 +178,10 @@ def _test_outputs(model: Path, test: Path, root: Path, *strategy: str, recorder:
         "--model.num_beams", "2",
         "--model.chunk_overlap", "4",
     ]  # fmt: skip
-    # DETAIL checks that every rank issues the same collective with the same shapes, or fails naming both.
-    check(cli(args, TORCH_DISTRIBUTED_DEBUG="DETAIL"))
+    if strategy[:2] == ONE_PROCESS:
+        in_this_process(args, root)
+    else:  # DETAIL checks that every rank issues the same collective with the same shapes, or fails naming both
+        check(cli(args, TORCH_DISTRIBUTED_DEBUG="DETAIL"))
     recorded = {}
     for name in ("outputs", "plain"):
         outputs: dict[str, str] = {}
@@ -227,7 +233,7 @@ def test_mixed_length_summaries_on_two_processes_equal_one_process(
     """The one-process reference without controls serves ``ddp`` and ``zero3``; one DDP launch decodes with the
     sampling controls and plainly (:class:`OutputRecorder`'s ``plain``), for ``ddp-sampling`` and ``ddp``."""
     batches = ["--data.init_args.max_tokens", "32"] if controls else []  # one long or two short documents a batch
-    expected, long = decoded("--trainer.devices", "1", *controls, *batches)["outputs"]
+    expected, long = decoded(*ONE_PROCESS, *controls, *batches)["outputs"]
     assert len(expected) == 6 and long == 2, "short and long documents, decoded"
     if strategy == "ddp":
         recorded = decoded("--config", STRATEGY_CONFIGS["ddp"], *SAMPLING, recorder=PLAIN_TOO)
@@ -248,7 +254,7 @@ def test_beam_search_in_lockstep_survives_a_dummy_call_stopped_before_any_hypoth
     finish a hypothesis. Beam search failed there (``max() arg is an empty sequence``) and the peer died with it."""
     model, test = summarizer
     injected = "--trainer.callbacks+=tests.test_lockstep_decoding.EndsEarly"
-    expected, _ = _test_outputs(model, test, tmp_path / "single", "--trainer.devices", "1", injected)["outputs"]
+    expected, _ = _test_outputs(model, test, tmp_path / "single", *ONE_PROCESS, injected)["outputs"]
     outputs, _ = _test_outputs(model, test, tmp_path / "zero3", "--config", STRATEGY_CONFIGS["zero3"], injected)[
         "outputs"
     ]
