@@ -32,6 +32,7 @@ from tests.helpers import (
     strategy_args,
     train_losses,
 )
+from tests.one_process import in_this_process
 from torch_handle.checkpoints import CheckpointError
 from torch_handle.data import TranslationDataModule
 from torch_handle.export import export, exported_metadata, load_exported, read_checkpoint
@@ -228,9 +229,9 @@ def test_fsdp_on_a_data_config_clips_gradients_as_one_process(tmp_path: Path) ->
     """Every data config sets ``gradient_clip_val``; FSDP clips through its sharded ``clip_grad_norm_`` and so
     follows the single process's clipped loss curve, which differs from the unclipped one."""
     roots = {run: tmp_path / run for run in ("single", "fsdp", "unclipped")}
-    check(cli(_demo_fit(SINGLE, roots["single"], *CLIP)))
+    in_this_process(_demo_fit(SINGLE, roots["single"], *CLIP), roots["single"])  # one process: no launch
     check(cli(_demo_fit("fsdp", roots["fsdp"], *CLIP)))
-    check(cli(_demo_fit(SINGLE, roots["unclipped"], "--trainer.gradient_clip_val", "0")))
+    in_this_process(_demo_fit(SINGLE, roots["unclipped"], "--trainer.gradient_clip_val", "0"), roots["unclipped"])
     expected, actual, unclipped = (train_losses(root) for root in roots.values())
     assert list(actual) == list(expected) == list(range(2 * STEPS))
     for index, loss in expected.items():
