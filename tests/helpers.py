@@ -377,6 +377,11 @@ def reference_run(name: str, base: Path) -> Path:
     if name not in _runs:
         root = base / f"reference-{name}"
         if not (root / "checkpoints" / "last.ckpt").exists():  # not trained yet in this session
-            check(cli(reference_args(name, root)))
+            if name == SINGLE:  # one process of the default strategy: no launch
+                from tests.one_process import in_this_process  # which imports this module
+
+                in_this_process(reference_args(name, root), root)
+            else:
+                check(cli(reference_args(name, root)))
         _runs[name] = root
     return _runs[name]

@@ -79,8 +79,8 @@ def test_an_imported_led_trains_on_two_processes_as_on_one(strategy: str, tmp_pa
     led = ["--model.init_from", str(pretrained_folder("led")), "--data.init_args.max_tokens", "256"]
     led += ["--data.init_args.max_source_tokens", "60"]  # the folder's 64 positions hold every source
     runs = {name: tmp_path / name for name in (SINGLE, strategy)}
-    for name, root in runs.items():
-        check(cli(reference_args(name, root, *led, pretrained=False)))
+    in_this_process(reference_args(SINGLE, runs[SINGLE], *led, pretrained=False), runs[SINGLE])  # no launch
+    check(cli(reference_args(strategy, runs[strategy], *led, pretrained=False)))
     expected, actual = (train_losses(root) for root in runs.values())
     assert list(actual) == list(expected) == list(range(2 * STEPS))
     for index, loss in expected.items():
@@ -98,7 +98,9 @@ def test_an_imported_led_trains_on_two_processes_as_on_one(strategy: str, tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_zero3_export_predicts_as_the_gathered_checkpoint(base: Path, tmp_path: Path) -> None:
+def test_zero3_export_predicts_as_the_gathered_checkpoint(
+    base: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     checkpoint = reference_run("zero3", base) / "checkpoints" / "last.ckpt"
     exported = export(checkpoint, tmp_path / "model.safetensors")
     sources = tmp_path / "input.txt"
@@ -107,14 +109,15 @@ def test_zero3_export_predicts_as_the_gathered_checkpoint(base: Path, tmp_path: 
         "predict",
         "--ckpt_path", str(exported),
         "--data.init_args.predict_file", str(sources),
-        "--trainer.default_root_dir", str(tmp_path / "predict"),
         "--trainer.accelerator", "cpu",
         "--trainer.devices", "1",
         "--trainer.enable_progress_bar", "false",
         "--model.num_beams", "2",
         "--model.max_new_tokens", "8",
     ]  # fmt: skip
-    (written,) = check(cli(args)).stdout.splitlines()[-1:]  # predict prints the path of the file it wrote
+    capsys.readouterr()
+    in_this_process(args, tmp_path / "predict")  # one process of the default strategy: no launch
+    (written,) = capsys.readouterr().out.splitlines()[-1:]  # predict prints the path of the file it wrote
     predicted = Path(written).read_text().splitlines()
 
     # The same decoding, in this process, from the ZeRO-3 shards gathered by DeepSpeed itself.
