@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import lightning as L
@@ -11,9 +12,11 @@ import pytest
 import torch
 from conftest import tiny_config
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.flop_counter import FlopCounterMode
 
 from torch_handle.callbacks.activation_checkpointing import ActivationCheckpointing
+from torch_handle.callbacks.checkpointing import RNG_KEY, Checkpoint
 from torch_handle.callbacks.profiling import Profiling
 from torch_handle.callbacks.throughput import Throughput
 from torch_handle.data import TranslationDataModule
@@ -119,3 +122,20 @@ def test_profiler_records_only_the_active_steps(tmp_path: Path) -> None:
     events = json.loads(traces[0].read_text())["traceEvents"]
     steps = {e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")}
     assert steps == {"ProfilerStep#2", "ProfilerStep#3"}
+
+
+@pytest.mark.parametrize("fn", ["fit", "test"])
+def test_random_states_of_another_process_count_warn_only_when_training(
+    fn: str, tmp_path: Path, recwarn: pytest.WarningsRecorder
+) -> None:
+    """A checkpoint of one process read by two: ``fit`` warns that dropout will not repeat the original run's;
+    ``test`` (no dropout) says nothing."""
+    callback = Checkpoint(dirpath=tmp_path)
+    stage = TrainerFn.FITTING if fn == "fit" else TrainerFn.TESTING
+    trainer = SimpleNamespace(ckpt_path=None, world_size=2, global_rank=0, state=SimpleNamespace(fn=stage))
+    callback.on_load_checkpoint(trainer, None, {RNG_KEY: [{}]})  # type: ignore[arg-type]
+    said = [str(w.message) for w in recwarn if "random states" in str(w.message)]
+    assert said == (
+        ["the checkpoint holds the random states of 1 processes, this run has 2: training continues, but dropout will "
+         "not repeat the original run's"] if fn == "fit" else []
+    )  # fmt: skip

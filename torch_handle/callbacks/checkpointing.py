@@ -20,6 +20,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -173,6 +174,8 @@ class Checkpoint(ModelCheckpoint):
         if states is None:
             return
         if len(states) != trainer.world_size:
+            if trainer.state.fn != TrainerFn.FITTING:  # test, validate or predict: no dropout, nothing to repeat
+                return
             rank_zero_warn(
                 f"the checkpoint holds the random states of {len(states)} processes, this run has "
                 f"{trainer.world_size}: training continues, but dropout will not repeat the original run's"
