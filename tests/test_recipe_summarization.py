@@ -93,7 +93,9 @@ def test_the_recipe_pretrains_fine_tunes_both_ways_and_scores_each_last_checkpoi
         log = (runs / "logs" / f"squality_{start_}_test.log").read_text()
         assert re.search(rf"^checkpoint: .*{start_}/checkpoints/last\.ckpt$", log, re.M), log
         printed = re.search(
-            r"^model: ROUGE-1 (\S+)  ROUGE-2 (\S+)  ROUGE-L (\S+)  ROUGE-Lsum \S+  GM (\S+)$", log, re.M
+            r"^model \(long documents cut\): ROUGE-1 (\S+)  ROUGE-2 (\S+)  ROUGE-L (\S+)  ROUGE-Lsum \S+  GM (\S+)$",
+            log,
+            re.M,
         )
         assert printed, log
         row = re.search(rf"^\| squality: {label} \| (.*?) \| (\S+) \| (\S+) \| (\S+) \| (\S+) \|$", section, re.M)
@@ -104,9 +106,10 @@ def test_the_recipe_pretrains_fine_tunes_both_ways_and_scores_each_last_checkpoi
         r"^\| squality: Lead-100 baseline \| none \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \|$", section, re.M
     )
     assert re.search(r"^\| squality: naive baseline \(SCROLLS: .*\) \| none \|", section, re.M), section
-    assert re.search(r"^squality: goal \(the pretrained model's GM above naive and Lead\) (met|not met: [\d.]+ GM "
-                     r"short of the .*); pretraining's gain over the same fine-tuning budget from scratch: [-+][\d.]+ "
-                     r"GM\.$", section, re.M), section  # fmt: skip
+    assert re.search(r"^squality: the pretrained model's GM against naive and Lead: (above|[\d.]+ GM short of the .*); "
+                     r"pretraining's gain over the same fine-tuning budget from scratch: [-+][\d.]+ GM\. ROUGE alone "
+                     r"does not say whether a summary depends on its document: `benchmarks/rouge_control.py` scores "
+                     r"it against another document's references too\.$", section, re.M), section  # fmt: skip
     assert f"python benchmarks/recipe_summarization.py {' '.join(args[:8])} --fit-arg=--model" in section
     assert "Budgets: pretraining 2 steps, then each fine-tuning 2 steps" in section
     assert "torch-handle fit --config=pretrain --trainer.default_root_dir=runs/recipe/pretrain" in section
