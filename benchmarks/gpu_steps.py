@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu.decoding import decoding
+from gpu.fp8 import fp8, fp8_loss
 from gpu.gpu_tests import gpu_tests
 from gpu.long import long
 from gpu.multi30k import multi30k
@@ -38,6 +39,7 @@ PREPARE: dict[str, Callable[[Setting], tuple[Any, ...]]] = {
     "strategy_throughput": lambda setting: (launch_strategies(setting),),
     "long": lambda setting: _imported("torch_handle.model"),
     "decoding": lambda setting: _imported("torch_handle.model"),
+    "fp8": lambda setting: _imported("lightning", "torch_handle.module", "torch_handle.flops"),
 }
 STEPS = {
     "gpu_tests": gpu_tests,
@@ -46,6 +48,8 @@ STEPS = {
     "long": long,
     "decoding": decoding,
     "multi30k": multi30k,
+    "fp8_loss": fp8_loss,
+    "fp8": fp8,
     "strategy_throughput": strategy_throughput,
     "one_strategy": one_strategy,
 }
@@ -71,6 +75,7 @@ def main() -> None:
     mark(f"on {device}")
     ready = args.out.with_suffix(".ready") if args.wait else None
     extra = (args.multi30k, args.multi30k_epochs) if args.step == "multi30k" else ()
+    extra = (args.multi30k,) if args.step == "fp8_loss" else extra
     if args.step == "one_strategy":  # waits inside, with its model built
         extra = (args.strategy, args.overrides, args.profile, ready)
     else:

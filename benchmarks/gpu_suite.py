@@ -28,6 +28,9 @@ models and lengths, so that the suite cannot rot between the sessions that have 
 - ``decoding``: greedy with the key/value cache against recomputing the prefix at 256 new tokens; beam-4
   sentences/s on Multi30k-sized sources; the cache on SDPA's own pick of kernel (cuDNN's on Hopper) against
   ``generate``'s; each loop's first call.
+- ``fp8_loss``: ``--model.fp8`` against bf16 as a user runs it: ``cli.py fit --config multi30k`` with a
+  Transformer-base model, compiled, 300 steps under ddp, fsdp and fsdp2; validation loss at the last step.
+- ``fp8``: the ~400M model's tokens/s in float8 against bf16, compiled, at two settings (MFU against the bf16 peak).
 - ``multi30k``: the shipped Multi30k recipe in ``bf16-mixed`` for the minutes left, then its test BLEU (``--multi30k``
   names the data, written by ``torch-handle prepare multi30k``; without it the step is skipped).
 """
@@ -57,12 +60,14 @@ LIMITS = {
     "gpu_tests": (150, 200),  # flex compiles a kernel per mask
     "strategies": (180, 300),  # 6 configs side by side, 3 launches and an export each
     "multi30k": (180, 300),  # a minute of the recipe (Lightning's max_time), then BLEU
+    "fp8_loss": (300, 300),  # five compiled 300-step fits side by side, each a launch of its own
     "throughput": (210, 120),  # eight loops, four compiling first, a profiled step
     "strategy_throughput": (200, 120),  # six strategies, one process each, prepared side by side
     "long": (100, 120),
     "decoding": (120, 60),  # warm-up dominates: each loop meets every length up to 256 tokens
+    "fp8": (150, 120),  # four compiled loops of the ~400M model
 }
-SIDE_BY_SIDE = ("gpu_tests", "strategies", "multi30k")
+SIDE_BY_SIDE = ("gpu_tests", "strategies", "multi30k", "fp8_loss")
 
 
 def launch(step: str, out: Path, dry_run: bool, multi30k: Path, epochs: int) -> subprocess.Popen[str]:

@@ -16,7 +16,8 @@ import torch
 
 from tests.helpers import ROOT, env
 
-STEPS = ["gpu_tests", "strategies", "multi30k", "throughput", "strategy_throughput", "long", "decoding"]
+STEPS = ["gpu_tests", "strategies", "multi30k", "fp8_loss"]  # side by side
+STEPS += ["throughput", "strategy_throughput", "long", "decoding", "fp8"]  # timed
 
 
 @pytest.mark.slow
@@ -57,6 +58,12 @@ def test_dry_run_passes_every_step_and_writes_its_tables(tmp_path: Path, shared_
     for step in ("throughput", "strategy_throughput", "long", "decoding"):  # prepared while the others ran
         log = (tmp_path / f"{step}.log").read_text()
         assert log.index(f"{step}: imported") < log.index("its turn on the device") < log.index(f"{step}: done")
+    fp8 = json.loads((tmp_path / "fp8.json").read_text())["tables"][0]["rows"]  # a CPU refuses float8 in one line
+    assert [row[1] for row in fp8] == ["bf16", "float8"] * 2 and float(fp8[0][2]) > 0
+    assert all(row[2].startswith("refused: --model.fp8 needs an NVIDIA GPU with FP8") for row in fp8[1::2])
+    fp8_loss = json.loads((tmp_path / "fp8_loss.json").read_text())["tables"][0]["rows"]
+    assert [row[0] for row in fp8_loss] == ["bf16, ddp", "float8, ddp"] and float(fp8_loss[0][2]) > 0
+    assert fp8_loss[0][-1] == "passed" and "--model.fp8 needs an NVIDIA GPU with FP8" in fp8_loss[1][-1]
     assert re.search(r"The whole suite: \d+ s", report)
     assert report.index("## multi30k") < report.index("## throughput")  # side by side first, then the timed steps
     bleu = json.loads((tmp_path / "multi30k.json").read_text())["tables"][0]

@@ -7,6 +7,7 @@ import dataclasses
 from typing import Any, Literal
 
 import torch
+from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
@@ -27,6 +28,7 @@ from torch_handle.parallel import (
     Pipeline,
     build_mesh,
     check_context_parallel,
+    check_float8,
     check_plan,
     parallelize,
     sharded_logits,
@@ -92,6 +94,10 @@ class Seq2SeqModule(Evaluation, Optimization):
         compile: ``torch.compile`` each encoder and decoder layer (as torchtitan compiles its blocks) once the
             parallelisation plans are applied, and the loss: fused kernels and fewer launches on a GPU, after a
             compilation of about a minute. Chosen for each run: checkpoints do not keep it.
+        fp8: Train the layers' matrix products in float8 on an NVIDIA GPU with FP8 tensor cores (compute capability
+            8.9 or newer), with torchao's float8 linears (:mod:`torch_handle.parallel.float8`): alone or under ddp,
+            fsdp or fsdp2, compiled or not. Weights and checkpoints keep their precision; ``test`` and ``predict``
+            decode without float8. Chosen for each run: checkpoints do not keep it.
         init_from: A model to start from: a Hugging Face model folder (BART, mBART, Marian, PEGASUS, T5, mT5, LED) or
             its hub id (``Helsinki-NLP/opus-mt-en-de``, fetched once into the Hugging Face cache), or one of ours as
             :func:`torch_handle.load` reads it (an export, a checkpoint, a run folder, e.g. a ``--config pretrain``
@@ -129,6 +135,7 @@ class Seq2SeqModule(Evaluation, Optimization):
         long_documents: Literal["windows", "cut"] = "windows",
         context_parallel: int = 1,
         compile: bool = False,
+        fp8: bool = False,
         init_from: str | None = None,
     ) -> None:
         super().__init__()
@@ -156,9 +163,10 @@ class Seq2SeqModule(Evaluation, Optimization):
         except ValueError as err:
             raise ConfigError(f"--model.{err}") from err
         # How many processes split a source is the run's layout, never the checkpoint's: not a hyper-parameter.
-        self.save_hyperparameters(ignore=["context_parallel", "compile"])
+        self.save_hyperparameters(ignore=["context_parallel", "compile", "fp8"])
         self.context_parallel = context_parallel
         self.use_compile = compile
+        self.use_fp8 = fp8
         config = dataclasses.replace(transformer, src_vocab_size=vocab_size, tgt_vocab_size=vocab_size)
         if init_from is not None:
             config = self._pretrained_config(init_from, transformer, vocab_size)
@@ -263,7 +271,10 @@ class Seq2SeqModule(Evaluation, Optimization):
             trainer = self.trainer
             device = trainer.strategy.root_device.type
             self._device_mesh = context = build_mesh(trainer.world_size, self.context_parallel, device)
-        self._pipeline = parallelize(self.model, self._plan(context))
+        plan = self._plan(context)
+        if plan.float8:
+            check_float8(self.trainer.strategy.root_device, self._float8_refused(plan))
+        self._pipeline = parallelize(self.model, plan)
         self._parallelized = True
 
     def _plan(self, context: DeviceMesh | None = None) -> ParallelPlan:
@@ -273,8 +284,19 @@ class Seq2SeqModule(Evaluation, Optimization):
             mesh=mesh,
             pipeline=getattr(self.trainer.strategy, "pipeline", None) if mesh is not None else None,
             context=context,
+            float8=self.use_fp8 and self.trainer.state.fn == TrainerFn.FITTING,  # decoding runs in the run's precision
             compile=self.use_compile,
         )
+
+    def _float8_refused(self, plan: ParallelPlan) -> str | None:
+        """What of this run ``--model.fp8`` cannot combine with (see :func:`~torch_handle.parallel.check_float8`)."""
+        if plan.tensor_parallel_size > 1:
+            return "tensor parallelism"
+        if plan.pipeline_size > 1:
+            return "pipeline parallelism"
+        if isinstance(self.trainer.strategy, DeepSpeedStrategy):
+            return "DeepSpeed's ZeRO"
+        return None
 
     def check_parallel_plans(self) -> None:
         """Raises :class:`SetupError` in one line when the plans of the strategy's device mesh cannot apply to this

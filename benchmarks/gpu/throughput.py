@@ -196,7 +196,7 @@ def lightning_step(
     with torch.device(init_device):
         module = Seq2SeqModule(
             transformer=config, vocab_size=config.src_vocab_size, warmup_steps=2, generate_every_n_val_epochs=0,
-            compile="compile" in levers,
+            compile="compile" in levers, fp8="fp8" in levers,
         )  # fmt: skip
     mark("model built")
     timer = Timer()

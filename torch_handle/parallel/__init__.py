@@ -5,6 +5,7 @@ its models; a plan here changes how a built model runs, never its weights or the
 """
 
 from torch_handle.parallel.context import ContextParallelTransformer, apply_context_parallel, check_context_parallel
+from torch_handle.parallel.float8 import apply_float8, check_float8
 from torch_handle.parallel.mesh import CONTEXT_PARALLEL, DATA_PARALLEL, PIPELINE_PARALLEL, TENSOR_PARALLEL, build_mesh
 from torch_handle.parallel.parallelize import ParallelPlan, check_plan, parallelize
 from torch_handle.parallel.pipeline import Pipeline, PipelineConfig, apply_pipeline_parallel, check_pipeline_parallel
@@ -28,12 +29,14 @@ __all__ = [
     "PipelineConfig",
     "TensorParallelAttention",
     "apply_context_parallel",
+    "apply_float8",
     "apply_fully_shard",
     "apply_fully_shard_stages",
     "apply_pipeline_parallel",
     "apply_tensor_parallel",
     "build_mesh",
     "check_context_parallel",
+    "check_float8",
     "check_pipeline_parallel",
     "check_plan",
     "check_tensor_parallel",

@@ -6,15 +6,16 @@ each step only when the plan asks for it:
 1. the pipeline split: first, because every later step acts on the layers this process keeps;
 2. tensor parallelism: the heads and feed-forward units of those layers (and, without a pipeline, the vocabulary);
 3. context parallelism: each source split over the ranks of its own ``(data_parallel, context_parallel)`` mesh;
-4. ``torch.compile`` of each layer, once the plans above have changed its modules' classes and parameters;
-5. FSDP2's sharding units over the data-parallel dimension, last because they wrap what the steps above built.
+4. float8 linears (``--model.fp8``, :mod:`torch_handle.parallel.float8`) in the layers this process keeps;
+5. ``torch.compile`` of each layer, once the plans above have changed its modules' classes and parameters;
+6. FSDP2's sharding units over the data-parallel dimension, last because they wrap what the steps above built.
    (``Module.compile`` compiles a layer's call with its hooks, so FSDP2's hooks added after it run inside that call;
    the loss and gradients are those of sharding first.)
 
 Activation checkpointing needs no step: the model recomputes each layer it runs when its config asks, whatever the
 plans made of the layer. ``Seq2SeqModule.configure_model`` calls :func:`parallelize` once the processes are
 connected. DeepSpeed's ZeRO-3 wraps the model itself later, so :class:`~torch_handle.strategies.DeepSpeedStrategy`
-makes its units (:func:`~torch_handle.parallel.sharding.set_zero3_units`, the counterpart of step 5) just before
+makes its units (:func:`~torch_handle.parallel.sharding.set_zero3_units`, the counterpart of step 6) just before
 DeepSpeed installs its hooks. :func:`check_plan` refuses an impossible plan in one line before any of it.
 """
 
@@ -26,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from torch_handle.model import Transformer, TransformerConfig
 from torch_handle.parallel.context import apply_context_parallel
+from torch_handle.parallel.float8 import apply_float8
 from torch_handle.parallel.mesh import CONTEXT_PARALLEL, DATA_PARALLEL, PIPELINE_PARALLEL, TENSOR_PARALLEL
 from torch_handle.parallel.pipeline import Pipeline, PipelineConfig, apply_pipeline_parallel, check_pipeline_parallel
 from torch_handle.parallel.sharding import apply_fully_shard, apply_fully_shard_stages
@@ -42,12 +44,14 @@ class ParallelPlan:
             loads such a strategy's checkpoints as DTensors).
         pipeline: How batches flow through the stages, when the mesh's pipeline dimension has several processes.
         context: The ``(data_parallel, context_parallel)`` mesh of :func:`~torch_handle.parallel.build_mesh`.
+        float8: Train the layers' matrix products in float8 (:func:`~torch_handle.parallel.float8.apply_float8`).
         compile: ``torch.compile`` each encoder and decoder layer.
     """
 
     mesh: DeviceMesh | None = None
     pipeline: PipelineConfig | None = None
     context: DeviceMesh | None = None
+    float8: bool = False
     compile: bool = False
 
     @property
@@ -80,10 +84,12 @@ def parallelize(model: Transformer, plan: ParallelPlan) -> Pipeline | None:
         apply_tensor_parallel(model, mesh[TENSOR_PARALLEL], vocabulary=stages is None)
     if plan.context is not None:  # 3.
         apply_context_parallel(model, plan.context[CONTEXT_PARALLEL].get_group())
-    if plan.compile:  # 4.
+    if plan.float8:  # 4.
+        apply_float8(model)
+    if plan.compile:  # 5.
         for layer in (*model.encoder_layers, *model.decoder_layers):
             layer.compile()
-    if stages is not None:  # 5.
+    if stages is not None:  # 6.
         apply_fully_shard_stages(stages, mesh[DATA_PARALLEL])
     elif mesh is not None:
         apply_fully_shard(model, mesh[DATA_PARALLEL])
