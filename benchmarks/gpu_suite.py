@@ -13,7 +13,8 @@ models and lengths, so that the suite cannot rot between the sessions that have 
 ``benchmarks/gpu/``, run by ``gpu_steps.py``:
 
 - ``gpu_tests``: ``pytest -m gpu`` (bf16 SDPA/flex/xformers against naive, full and local, every position type,
-  bf16 gradients); on a CPU they skip.
+  bf16 gradients; BART, mBART, Marian, PEGASUS, T5 and LED folders against transformers in bf16); on a CPU they
+  skip.
 - ``strategies``: the demo config with each strategy config on one device in ``bf16-mixed``: fit 6 steps, resume
   from step 3, export, predict from the export; the strategies side by side on the one GPU.
 - ``throughput``: the ~400M encoder-decoder (d 1024, 16 heads, 12+12 layers, d_ff 4096, vocabulary 32k) at 2,048

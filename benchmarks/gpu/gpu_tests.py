@@ -1,4 +1,5 @@
-"""``gpu_tests``: ``pytest -m gpu`` (bf16 attention kernels against naive, bf16 gradients); on a CPU they skip."""
+"""``gpu_tests``: ``pytest -m gpu`` (bf16 attention kernels against naive, bf16 gradients, the pretrained families'
+parity with transformers in bf16); on a CPU they skip."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ from typing import Any
 
 from gpu.setting import ROOT, Setting, result_table
 
+TESTS = ["tests/test_gpu.py", "tests/test_gpu_pretrained.py"]  # the latter skips without transformers (.whl)
+
 
 def gpu_tests(setting: Setting) -> dict[str, Any]:
     """``pytest -m gpu``: its closing line, and the tests that failed."""
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests/test_gpu.py"],
+        [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", *TESTS],
         cwd=ROOT,
         capture_output=True,
         text=True,
