@@ -364,3 +364,14 @@ def test_rope_scores_depend_only_on_relative_position() -> None:
         torch.testing.assert_close(score(10 + shift, 5 + shift), score(10, 5))
         torch.testing.assert_close(score(2 + shift, 9 + shift), score(2, 9))
     assert not torch.isclose(score(10, 5), score(10, 6)), "RoPE ignored the distance"
+
+
+def test_auto_gives_local_attention_on_cuda_to_flex_only_for_heads_flex_compiles() -> None:
+    """Inductor's flex kernel takes heads of 16 dimensions or more; smaller ones (tiny test models) go to SDPA."""
+    from torch_handle.model.kernels import resolve_backend
+
+    local, cuda = MaskSpec(window=3), torch.device("cuda")
+    assert resolve_backend("auto", cuda, local, 0.0, head_dim=16) == "flex"
+    assert resolve_backend("auto", cuda, local, 0.0, head_dim=8) == "sdpa"
+    assert resolve_backend("auto", cuda, local, 0.1, head_dim=64) == "sdpa"  # flex has no attention dropout
+    assert resolve_backend("auto", torch.device("cpu"), local, 0.0, head_dim=64) == "sdpa"

@@ -132,9 +132,10 @@ def _loss_row(
     env = os.environ | {"MASTER_PORT": str(port)}  # side by side: one rendezvous port each
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env)
     seconds = time.perf_counter() - start
-    (run.parent / f"{run.name}.log").write_text(done.stdout + done.stderr)
     if done.returncode:
-        error = (done.stderr.strip().splitlines() or ["?"])[-1][:200]
+        lines = done.stderr.strip().splitlines() or ["?"]
+        mark(f"{name} failed:\n" + "\n".join(lines[-60:]))  # into the step's log, which the suite keeps
+        error = next((line for line in reversed(lines) if "Error" in line), lines[-1])[:200]
         return [name, f"{seconds:.0f}", None, "", f"failed: {error}"]
     scalars = _scalars(run)
     val = scalars.get("val/loss", [])

@@ -276,20 +276,21 @@ def check_backend(name: str, device: torch.device | None = None) -> None:
             )
 
 
-def resolve_backend(name: str, device: torch.device, spec: MaskSpec, dropout_p: float) -> str:
+def resolve_backend(name: str, device: torch.device, spec: MaskSpec, dropout_p: float, head_dim: int = 64) -> str:
     """Turn ``auto`` into a concrete backend for this call.
 
-    On CUDA, sliding-window attention goes to flex (block-sparse, fused); everything else, and everything
-    on CPU (where flex would first have to compile a C++ kernel), goes to SDPA.
+    On CUDA, sliding-window attention goes to flex (block-sparse, fused) when its heads have at least 16 dimensions,
+    the least Inductor's flex kernel takes; everything else, and everything on CPU (where flex would first have to
+    compile a C++ kernel), goes to SDPA.
     """
     if name != "auto":
         check_backend(name, device)
         return name
-    if device.type == "cuda" and spec.window is not None and not dropout_p:
+    if device.type == "cuda" and spec.window is not None and not dropout_p and head_dim >= 16:
         return "flex"
     return "sdpa"
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, backend: str, dropout_p: float = 0.0) -> Tensor:
     """Attention of ``q (B, H, Tq, D)`` over ``k, v (B, H, Tk, D)`` under ``spec``; returns ``(B, H, Tq, D)``."""
-    return BACKENDS[resolve_backend(backend, q.device, spec, dropout_p)](q, k, v, spec, dropout_p)
+    return BACKENDS[resolve_backend(backend, q.device, spec, dropout_p, q.shape[-1])](q, k, v, spec, dropout_p)
