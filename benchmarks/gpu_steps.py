@@ -8,6 +8,7 @@ the issue's sizes; ``--dry-run`` runs the same code on the CPU in fp32 with tiny
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -40,6 +41,7 @@ PREPARE: dict[str, Callable[[Setting], tuple[Any, ...]]] = {
     "long": lambda setting: _imported("torch_handle.model"),
     "decoding": lambda setting: _imported("torch_handle.model"),
     "fp8": lambda setting: _imported("lightning", "torch_handle.module", "torch_handle.flops"),
+    "fp8_wide": lambda setting: _imported("lightning", "torch_handle.module", "torch_handle.flops"),
 }
 STEPS = {
     "gpu_tests": gpu_tests,
@@ -50,6 +52,7 @@ STEPS = {
     "multi30k": multi30k,
     "fp8_loss": fp8_loss,
     "fp8": fp8,
+    "fp8_wide": functools.partial(fp8, wide=True),
     "strategy_throughput": strategy_throughput,
     "one_strategy": one_strategy,
 }

@@ -67,6 +67,7 @@ LIMITS = {
     "long": (100, 120),
     "decoding": (120, 60),  # warm-up dominates: each loop meets every length up to 256 tokens
     "fp8": (150, 120),  # four compiled loops of the ~400M model
+    "fp8_wide": (90, 120),  # two compiled loops of a 4-layer model four times as wide
 }
 SIDE_BY_SIDE = ("gpu_tests", "strategies", "multi30k", "fp8_loss")
 

@@ -2,7 +2,8 @@
 
 - ``fp8`` (timed, alone on the device): the ~400M model of ``throughput`` through ``lightning.Trainer`` with compiled
   layers, bf16 against float8, at the references' setting (dropout 0, 16 rows) and at the shipped default (dropout
-  0.1, 8 rows): tokens/s, the ratio, MFU counted against the bf16 peak, peak memory.
+  0.1, 8 rows): tokens/s, the ratio, MFU counted against the bf16 peak, peak memory. ``fp8_wide``: the same at four
+  times the width (d 4096, 2+2 layers), where each product is sixteen times larger.
 - ``fp8_loss`` (beside the other untimed steps): ``configs/multi30k.yaml`` with a Transformer-base model (d 512,
   6+6 layers) compiled, 300 steps of Multi30k as the user types it (``cli.py fit``), bf16 against float8 under each
   strategy config that claims float8 (ddp, fsdp, and fsdp2 as ``tp`` with ``tensor_parallel_size: 1``): the validation
@@ -37,14 +38,21 @@ LOSS_RUNS = [
 ]  # fmt: skip
 
 
-def fp8(setting: Setting) -> dict[str, Any]:
-    """Tokens/s of the ~400M model, compiled, bf16 against float8 at two settings, alone on the device."""
+def fp8(setting: Setting, wide: bool = False) -> dict[str, Any]:
+    """Tokens/s of the ~400M model, compiled, bf16 against float8 at two settings, alone on the device; ``wide``
+    (``fp8_wide``): a model four times as wide instead (d 4096, 2+2 layers), whose products are large enough for
+    float8's casts to pay, at dropout 0."""
     config, rows, length, warmup, steps = throughput_sizes(setting)
+    settings = [(0.0, 2 * rows), (config.dropout, rows)]
+    if wide:
+        dims = {"d_model": 4 * config.d_model, "num_heads": 2 * config.num_heads, "d_ff": 4 * config.d_ff}
+        config = dataclasses.replace(config, **dims, num_encoder_layers=2, num_decoder_layers=2)
+        settings = [(0.0, rows)]
     peak = setting.peak_flops()
     from torch_handle.flops import training_flops
 
     table, ok = [], True
-    for dropout, run_rows in ((0.0, 2 * rows), (config.dropout, rows)):
+    for dropout, run_rows in settings:
         model_config = dataclasses.replace(config, dropout=dropout)
         batches = random_batches(config.src_vocab_size, run_rows, length, warmup + steps)
         flops = training_flops(config, [length] * run_rows, [length] * run_rows)
@@ -70,8 +78,9 @@ def fp8(setting: Setting) -> dict[str, Any]:
                           fmt(mfu, 1), fmt(memory)])  # fmt: skip
             mark(" | ".join(map(str, table[-1])))
             free_memory(setting)
+    size = f"d {config.d_model}, {config.num_encoder_layers}+{config.num_decoder_layers} layers, d_ff {config.d_ff}"
     title = (
-        f"The throughput step's model ({'tiny' if setting.dry_run else '~400M'}), {length} + {length} tokens a row, "
+        f"The throughput step's model ({size}), {length} + {length} tokens a row, "
         f"`{setting.precision}`, compiled layers{' (not in a dry run)' if setting.dry_run else ''}, Lightning's loop, "
         f"median of {steps} steps after {warmup}: `--model.fp8` against bf16. MFU counts the same FLOPs against the "
         f"bf16 peak ({peak or 'none known'} FLOP/s) in both rows."
