@@ -30,6 +30,8 @@ models and lengths, so that the suite cannot rot between the sessions that have 
   ``generate``'s; each loop's first call.
 - ``multi30k``: the shipped Multi30k recipe in ``bf16-mixed`` for the minutes left, then its test BLEU (``--multi30k``
   names the data, written by ``torch-handle prepare multi30k``; without it the step is skipped).
+- ``multi30k_recipe``: the recipe as a user runs it on one GPU (``--config multi30k --config multi30k_gpu``), alone
+  on the device: each config's host time per step, part by part; then the whole fit and the test, timed, and BLEU.
 """
 
 from __future__ import annotations
@@ -61,16 +63,20 @@ LIMITS = {
     "strategy_throughput": (200, 120),  # six strategies, one process each, prepared side by side
     "long": (100, 120),
     "decoding": (120, 60),  # warm-up dominates: each loop meets every length up to 256 tokens
+    "multi30k_recipe": (580, 240),  # three short timed fits (one compiled), the full fit, its test and BLEU
 }
 SIDE_BY_SIDE = ("gpu_tests", "strategies", "multi30k")
 
 
-def launch(step: str, out: Path, dry_run: bool, multi30k: Path, epochs: int) -> subprocess.Popen[str]:
+def launch(
+    step: str, out: Path, dry_run: bool, multi30k: Path, epochs: int, recipe_epochs: int | None
+) -> subprocess.Popen[str]:
     """``python benchmarks/gpu_steps.py STEP`` in a fresh process (and session), its log written as it runs. A timed
     step gets ``--wait``: it prepares on the host at once, beside the side-by-side steps, and uses the device only
     when :func:`finish` gives it its turn."""
     command = [sys.executable, str(ROOT / "benchmarks" / "gpu_steps.py"), step, str(out / f"{step}.json")]
     command += ["--multi30k", str(multi30k.resolve()), "--multi30k-epochs", str(epochs)]
+    command += ["--recipe-epochs", str(recipe_epochs)] if recipe_epochs is not None else []
     command += [*(["--dry-run"] if dry_run else []), *(["--wait"] if step not in SIDE_BY_SIDE else [])]
     env = os.environ | {
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),  # need not install
@@ -135,6 +141,7 @@ def main() -> int:
         "--multi30k", type=Path, default=Path("data/multi30k"), help="Multi30k (torch-handle prepare); absent: skipped"
     )
     parser.add_argument("--multi30k-epochs", type=int, default=20, help="the multi30k step's epochs (124 steps each)")
+    parser.add_argument("--recipe-epochs", type=int, help="the multi30k_recipe step's epochs (default: the config's)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     begun = time.perf_counter()
@@ -144,7 +151,7 @@ def main() -> int:
     try:
         for step in steps:
             children[step] = (
-                launch(step, args.out, args.dry_run, args.multi30k, args.multi30k_epochs),
+                launch(step, args.out, args.dry_run, args.multi30k, args.multi30k_epochs, args.recipe_epochs),
                 time.perf_counter(),
             )
         results = [finish(step, child, args.out, args.dry_run, at) for step, (child, at) in children.items()]
