@@ -61,6 +61,7 @@ def main() -> None:
     parser.add_argument("--multi30k", type=Path, default=ROOT / "data" / "multi30k", help="the multi30k step's data")
     parser.add_argument("--multi30k-epochs", type=int, default=20, help="the multi30k step's epochs (124 steps each)")
     parser.add_argument("--recipe-epochs", type=int, help="multi30k_recipe's epochs (default: the config's)")
+    parser.add_argument("--recipe-compile", action="store_true", help="multi30k_recipe also times a compiled run")
     parser.add_argument("--strategy", choices=STRATEGY_CONFIGS, help="one_strategy's strategy config")
     parser.add_argument("--overrides", type=json.loads, default={}, help="one_strategy's options over the config's")
     parser.add_argument("--profile", action="store_true", help="one_strategy profiles its last step")
@@ -74,7 +75,7 @@ def main() -> None:
     mark(f"on {device}")
     ready = args.out.with_suffix(".ready") if args.wait else None
     extra = (args.multi30k, args.multi30k_epochs) if args.step == "multi30k" else ()
-    extra = (args.multi30k, args.recipe_epochs) if args.step == "multi30k_recipe" else extra
+    extra = (args.multi30k, args.recipe_epochs, args.recipe_compile) if args.step == "multi30k_recipe" else extra
     if args.step == "one_strategy":  # waits inside, with its model built
         extra = (args.strategy, args.overrides, args.profile, ready)
     else:
