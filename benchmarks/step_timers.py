@@ -18,6 +18,7 @@ import argparse
 import functools
 import importlib
 import json
+import sys
 import time
 import warnings
 from collections import defaultdict
@@ -153,8 +154,9 @@ def main() -> None:
     from torch_handle.cli import main as torch_handle
 
     start = time.perf_counter()
+    sys.argv[1:] = command  # the command line LightningCLI reads, as the torch-handle command would have it
     with timed_parts(args.skip) as timers:
-        torch_handle(command)
+        torch_handle()
     seconds = time.perf_counter() - start
     rows = timers.table()
     args.out.write_text(json.dumps({"steps": timers.steps - args.skip, "seconds": seconds, "parts": rows}))
