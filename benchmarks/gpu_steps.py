@@ -19,6 +19,7 @@ from gpu.fp8 import fp8, fp8_loss
 from gpu.gpu_tests import gpu_tests
 from gpu.long import long
 from gpu.multi30k import multi30k
+from gpu.recipe import multi30k_recipe
 from gpu.setting import ROOT, Setting, device_line, mark, wait_for_turn
 from gpu.strategies import strategies
 from gpu.strategy_throughput import STRATEGY_CONFIGS, launch_strategies, one_strategy, strategy_throughput
@@ -53,6 +54,7 @@ STEPS = {
     "fp8_loss": fp8_loss,
     "fp8": fp8,
     "fp8_wide": functools.partial(fp8, wide=True),
+    "multi30k_recipe": multi30k_recipe,
     "strategy_throughput": strategy_throughput,
     "one_strategy": one_strategy,
 }
@@ -65,6 +67,8 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--multi30k", type=Path, default=ROOT / "data" / "multi30k", help="the multi30k step's data")
     parser.add_argument("--multi30k-epochs", type=int, default=20, help="the multi30k step's epochs (124 steps each)")
+    parser.add_argument("--recipe-epochs", type=int, help="multi30k_recipe's epochs (default: the config's)")
+    parser.add_argument("--recipe-compile", action="store_true", help="multi30k_recipe also times a compiled run")
     parser.add_argument("--strategy", choices=STRATEGY_CONFIGS, help="one_strategy's strategy config")
     parser.add_argument("--overrides", type=json.loads, default={}, help="one_strategy's options over the config's")
     parser.add_argument("--profile", action="store_true", help="one_strategy profiles its last step")
@@ -79,6 +83,7 @@ def main() -> None:
     ready = args.out.with_suffix(".ready") if args.wait else None
     extra = (args.multi30k, args.multi30k_epochs) if args.step == "multi30k" else ()
     extra = (args.multi30k,) if args.step == "fp8_loss" else extra
+    extra = (args.multi30k, args.recipe_epochs, args.recipe_compile) if args.step == "multi30k_recipe" else extra
     if args.step == "one_strategy":  # waits inside, with its model built
         extra = (args.strategy, args.overrides, args.profile, ready)
     else:

@@ -34,6 +34,8 @@ models and lengths, so that the suite cannot rot between the sessions that have 
 - ``fp8``: the ~400M model's tokens/s in float8 against bf16, compiled, at two settings (MFU against the bf16 peak).
 - ``multi30k``: the shipped Multi30k recipe in ``bf16-mixed`` for the minutes left, then its test BLEU (``--multi30k``
   names the data, written by ``torch-handle prepare multi30k``; without it the step is skipped).
+- ``multi30k_recipe``: the recipe as a user runs it on one GPU (``--config multi30k --config multi30k_gpu``), alone
+  on the device: each config's host time per step, part by part; then the whole fit and the test, timed, and BLEU.
 """
 
 from __future__ import annotations
@@ -68,16 +70,20 @@ LIMITS = {
     "decoding": (120, 60),  # warm-up dominates: each loop meets every length up to 256 tokens
     "fp8": (150, 120),  # four compiled loops of the ~400M model
     "fp8_wide": (90, 120),  # two compiled loops of a 4-layer model four times as wide
+    "multi30k_recipe": (560, 240),  # two short timed fits, the full fit (60 epochs), its test and BLEU
 }
 SIDE_BY_SIDE = ("gpu_tests", "strategies", "multi30k", "fp8_loss")
 
 
-def launch(step: str, out: Path, dry_run: bool, multi30k: Path, epochs: int) -> subprocess.Popen[str]:
+def launch(
+    step: str, out: Path, dry_run: bool, multi30k: Path, epochs: int, recipe: list[str]
+) -> subprocess.Popen[str]:
     """``python benchmarks/gpu_steps.py STEP`` in a fresh process (and session), its log written as it runs. A timed
     step gets ``--wait``: it prepares on the host at once, beside the side-by-side steps, and uses the device only
     when :func:`finish` gives it its turn."""
     command = [sys.executable, str(ROOT / "benchmarks" / "gpu_steps.py"), step, str(out / f"{step}.json")]
     command += ["--multi30k", str(multi30k.resolve()), "--multi30k-epochs", str(epochs)]
+    command += recipe  # the multi30k_recipe step's options
     command += [*(["--dry-run"] if dry_run else []), *(["--wait"] if step not in SIDE_BY_SIDE else [])]
     env = os.environ | {
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),  # need not install
@@ -142,7 +148,11 @@ def main() -> int:
         "--multi30k", type=Path, default=Path("data/multi30k"), help="Multi30k (torch-handle prepare); absent: skipped"
     )
     parser.add_argument("--multi30k-epochs", type=int, default=20, help="the multi30k step's epochs (124 steps each)")
+    parser.add_argument("--recipe-epochs", type=int, help="the multi30k_recipe step's epochs (default: the config's)")
+    parser.add_argument("--recipe-compile", action="store_true", help="multi30k_recipe also times a compiled run")
     args = parser.parse_args()
+    recipe = ["--recipe-epochs", str(args.recipe_epochs)] if args.recipe_epochs else []
+    recipe += ["--recipe-compile"] if args.recipe_compile else []
     args.out.mkdir(parents=True, exist_ok=True)
     begun = time.perf_counter()
     steps = sorted(args.step or list(LIMITS), key=lambda step: step not in SIDE_BY_SIDE)  # stable: side by side first
@@ -151,7 +161,7 @@ def main() -> int:
     try:
         for step in steps:
             children[step] = (
-                launch(step, args.out, args.dry_run, args.multi30k, args.multi30k_epochs),
+                launch(step, args.out, args.dry_run, args.multi30k, args.multi30k_epochs, recipe),
                 time.perf_counter(),
             )
         results = [finish(step, child, args.out, args.dry_run, at) for step, (child, at) in children.items()]

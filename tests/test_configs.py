@@ -24,10 +24,11 @@ STAND_INS = {"led-base-16384": stand_in_led, "Helsinki-NLP/opus-mt-en-de": stand
 
 
 def _stack(path: Path) -> list[str]:
-    """A strategy config (only ``trainer:`` settings, e.g. ddp or zero*) is meant to be stacked on a data/model
-    config; ``demo.yaml`` is the one its header names."""
+    """A strategy config (only ``trainer:`` settings, e.g. ddp or zero*) or one that sets a data config's options
+    (``data.init_args``, e.g. multi30k_gpu) is meant to be stacked on a data/model config; ``demo.yaml`` stands in for
+    the one its header names."""
     config = yaml.safe_load(path.read_text(encoding="utf-8"))
-    fragment = "model" not in config and "data" not in config
+    fragment = "model" not in config and "class_path" not in config.get("data", {})
     return [f"--config={DEMO}", f"--config={path}"] if fragment else [f"--config={path}"]
 
 
@@ -63,7 +64,7 @@ def test_config_parses_and_instantiates(
     config = yaml.safe_load(path.read_text(encoding="utf-8"))
     for key, value in config.get("model", {}).get("transformer", {}).items():
         assert getattr(cli.model.config, key) == value, f"{path.name}: model.transformer.{key}"
-    if "data" in config:
+    if "class_path" in config.get("data", {}):
         assert type(cli.datamodule).__name__ == config["data"]["class_path"].rsplit(".", 1)[-1]
     if init_from is not None:  # the folder's architecture, weights and tokenizer train as the run's
         cli.trainer.fit(cli.model, datamodule=cli.datamodule)

@@ -283,7 +283,8 @@ def test_collator_adds_specials_pads_and_truncates() -> None:
 
 def test_collator_predict_batch_has_no_target() -> None:
     batch = Collator(8, 8)([Example([5, 6], "a"), Example([7], "b")])
-    assert set(batch) == {"src", "src_text", "src_truncated", "repeat"}  # no target keys
+    assert set(batch) == {"src", "src_lengths", "src_text", "src_truncated", "repeat"}  # no target keys
+    assert batch["src_lengths"] == [3, 2]
     assert batch["src"].tolist() == [[5, 6, EOS_ID], [7, EOS_ID, PAD_ID]]
 
 

@@ -17,7 +17,7 @@ import torch
 from tests.helpers import ROOT, env
 
 STEPS = ["gpu_tests", "strategies", "multi30k", "fp8_loss"]  # side by side
-STEPS += ["throughput", "strategy_throughput", "long", "decoding", "fp8"]  # timed
+STEPS += ["throughput", "strategy_throughput", "long", "decoding", "fp8", "multi30k_recipe"]  # timed
 
 
 @pytest.mark.slow
@@ -55,7 +55,15 @@ def test_dry_run_passes_every_step_and_writes_its_tables(tmp_path: Path, shared_
         " 16 tokens"
     ]
     assert decoding[-1][0].endswith("SDPA's own pick of kernel (cuDNN's on Hopper)") and float(decoding[-1][3]) >= 0
-    for step in ("throughput", "strategy_throughput", "long", "decoding"):  # prepared while the others ran
+    breakdown, timed, bleu = json.loads((tmp_path / "multi30k_recipe.json").read_text())["tables"]
+    parts = {row[0]: row[1:] for row in breakdown["rows"]}  # ms/step and syncs/step of each config
+    assert {"forward and loss", "divergence check (StopOnDivergence)", "data: next batch (sampler, collation)"} <= {
+        *parts
+    }
+    assert len(parts["whole step"]) == 4 and float(parts["whole step"][2].replace(",", "")) > 0
+    assert [row[0].split(" (")[0] for row in timed["rows"]] == ["fit", "training steps/s", "test", "fit + test"]
+    assert timed["rows"][2][2].startswith("BLEU ") and bleu["rows"][0][:2] == ["test_2016_flickr", 20]
+    for step in ("throughput", "strategy_throughput", "long", "decoding", "multi30k_recipe"):  # prepared meanwhile
         log = (tmp_path / f"{step}.log").read_text()
         assert log.index(f"{step}: imported") < log.index("its turn on the device") < log.index(f"{step}: done")
     fp8 = json.loads((tmp_path / "fp8.json").read_text())["tables"][0]["rows"]  # a CPU refuses float8 in one line

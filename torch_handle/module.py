@@ -380,7 +380,8 @@ class Seq2SeqModule(Evaluation, Optimization):
         batch_size = batch["tgt"].shape[0]
         nll = nll_sum.detach() / per_token  # per token, without label smoothing
         self.log("train/loss", nll, prog_bar=True, batch_size=batch_size)
-        self.log("train/objective", loss_sum.detach() / per_token, batch_size=batch_size)  # what the step minimises
-        self.log("train/ppl", nll.exp(), batch_size=batch_size)
-        self.log("train/tokens", tokens.float(), reduce_fx="sum", batch_size=batch_size)
+        if self.trainer._logger_connector.should_update_logs:  # the steps the loggers write: each call costs host time
+            self.log("train/objective", loss_sum.detach() / per_token, batch_size=batch_size)  # what the step minimises
+            self.log("train/ppl", nll.exp(), batch_size=batch_size)
+            self.log("train/tokens", tokens.float(), reduce_fx="sum", batch_size=batch_size)
         return loss

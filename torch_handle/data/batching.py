@@ -1,6 +1,7 @@
 """Examples, token-budget batching and collation into the padded tensors the model consumes."""
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -13,8 +14,9 @@ from typing_extensions import override
 
 from torch_handle.data.tokenizer import PAD_ID, Specials
 
-# {"src": (B, S), "tgt": (B, T), "src_text": [...], "tgt_text": [...], "references": [[...], ...],
-#  "src_truncated": [...], "repeat": bool, "step_tokens": int (training batches only)}
+# {"src": (B, S), "tgt": (B, T), "src_lengths": [...], "tgt_lengths": [...] (each row's ids, padding left out),
+#  "src_text": [...], "tgt_text": [...], "references": [[...], ...], "src_truncated": [...], "repeat": bool,
+#  "step_tokens": int (training batches only)}
 Batch = dict[str, Any]
 
 
@@ -154,8 +156,10 @@ class Collator:
         has_target = [e.tgt_ids is not None for e in examples]
         if any(has_target) and not all(has_target):
             raise ValueError("a batch mixes examples with and without targets")
+        sources = [self.source_ids(e) for e in examples]
         batch: Batch = {
-            "src": _pad([self.source_ids(e) for e in examples], self.specials.pad_id),
+            "src": _pad(sources, self.specials.pad_id),
+            "src_lengths": list(map(len, sources)),
             "src_text": [e.src_text for e in examples],
             "src_truncated": [len(e.src_ids) > self.max_source_tokens - 1 for e in examples],
             "repeat": all(e.repeat for e in examples),
@@ -163,7 +167,9 @@ class Collator:
         if examples and examples[0].step_tokens:  # training batches: the loss's normaliser
             batch["step_tokens"] = examples[0].step_tokens
         if all(has_target):
-            batch["tgt"] = _pad([self.target_ids(e) for e in examples], self.specials.pad_id)
+            targets = [self.target_ids(e) for e in examples]
+            batch["tgt"] = _pad(targets, self.specials.pad_id)
+            batch["tgt_lengths"] = list(map(len, targets))
             batch["tgt_text"] = [e.tgt_text for e in examples]
             batch["references"] = [list(e.references) or [e.tgt_text] for e in examples]
         return batch
@@ -171,10 +177,10 @@ class Collator:
 
 def _pad(rows: list[list[int]], pad_id: int = PAD_ID) -> torch.Tensor:
     """Right-pads rows of ids into a (B, L) LongTensor."""
-    out = torch.full((len(rows), max(map(len, rows), default=0)), pad_id, dtype=torch.long)
-    for i, row in enumerate(rows):
-        out[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-    return out
+    lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    out = np.full((len(rows), lengths.max(initial=0)), pad_id, dtype=np.int64)
+    out[np.arange(out.shape[1]) < lengths[:, None]] = np.fromiter(itertools.chain.from_iterable(rows), np.int64)
+    return torch.from_numpy(out)
 
 
 class TokenBudgetBatchSampler(Sampler[list[int]]):
