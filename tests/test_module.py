@@ -271,3 +271,25 @@ def test_the_compiled_loss_equals_the_eager_one_with_its_gradient() -> None:
     (want_grad,) = torch.autograd.grad(eager[0], logits)
     (got_grad,) = torch.autograd.grad(compiled[0], logits)
     torch.testing.assert_close(got_grad, want_grad)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed", "32-true"])
+def test_compile_under_fsdp_in_mixed_precision_is_one_line(precision: str) -> None:
+    """torch.compile fails on FSDP1's mixed-precision flat parameters (found on an H200 and on this CPU): refused
+    before anything is built, pointing at FSDP2; in full precision it compiles."""
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from torch_handle.errors import SetupError
+
+    module = _module(compile=True)
+    module._trainer = Mock(strategy=Mock(spec=FSDPStrategy), precision=precision, state=Mock(fn="fit"))
+    if precision == "32-true":
+        module.configure_model()
+        return
+    with pytest.raises(SetupError) as raised:
+        module.configure_model()
+    assert str(raised.value) == (
+        f"--model.compile does not run under fsdp in {precision} (torch.compile fails on FSDP1's mixed-precision flat "
+        "parameters): compile sharded layers with FSDP2 (--config tp --trainer.strategy.init_args.tensor_parallel_size "
+        "1), or leave --model.compile off"
+    )

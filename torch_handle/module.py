@@ -7,7 +7,7 @@ import dataclasses
 from typing import Any, Literal
 
 import torch
-from lightning.pytorch.strategies import DeepSpeedStrategy
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
@@ -272,6 +272,12 @@ class Seq2SeqModule(Evaluation, Optimization):
             device = trainer.strategy.root_device.type
             self._device_mesh = context = build_mesh(trainer.world_size, self.context_parallel, device)
         plan = self._plan(context)
+        if plan.compile and isinstance(self.trainer.strategy, FSDPStrategy) and "mixed" in str(self.trainer.precision):
+            raise SetupError(
+                f"--model.compile does not run under fsdp in {self.trainer.precision} (torch.compile fails on FSDP1's "
+                "mixed-precision flat parameters): compile sharded layers with FSDP2 (--config tp "
+                "--trainer.strategy.init_args.tensor_parallel_size 1), or leave --model.compile off"
+            )
         if plan.float8:
             check_float8(self.trainer.strategy.root_device, self._float8_refused(plan))
         self._pipeline = parallelize(self.model, plan)

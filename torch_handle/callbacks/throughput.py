@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import lightning as L
-import torch
 from lightning.pytorch.callbacks import ThroughputMonitor
 from typing_extensions import override
 
@@ -84,27 +82,6 @@ class Throughput(ThroughputMonitor):
         self._count_replicas(trainer, pl_module)
         pl_module.flops_per_batch = training_flops(
             pl_module.config, _lengths(batch, "src"), _lengths(batch, "tgt", drop_last=True)
-        )
-
-    @override
-    @torch.inference_mode()
-    def _update(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, iter_num: int) -> None:
-        """Lightning's update, which waits for the GPU after every batch, waiting only after the batches whose
-        figures are logged: the window's other times are the host's, ahead of the device by at most the work it has
-        queued, and the GPU is not left idle on each step while the host prepares the next one."""
-        stage = trainer.state.stage
-        if trainer.strategy.root_device.type == "cuda" and trainer._logger_connector.should_update_logs:
-            torch.cuda.synchronize()
-        elapsed = time.perf_counter() - self._t0s[stage]
-        self._lengths[stage] += self.length_fn(batch)
-        self._samples[stage] += self.batch_size_fn(batch)
-        self._batches[stage] += 1
-        self._throughputs[stage].update(
-            time=elapsed,
-            batches=self._batches[stage],
-            samples=self._samples[stage],
-            lengths=self._lengths[stage],
-            flops=pl_module.flops_per_batch,
         )
 
     @override
