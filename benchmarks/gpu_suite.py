@@ -32,6 +32,7 @@ models and lengths, so that the suite cannot rot between the sessions that have 
 - ``fp8_loss``: ``--model.fp8`` against bf16 as a user runs it: ``cli.py fit --config multi30k`` with a
   Transformer-base model, compiled, 300 steps under ddp, fsdp and fsdp2; validation loss at the last step.
 - ``fp8``: the ~400M model's tokens/s in float8 against bf16, compiled, at two settings (MFU against the bf16 peak).
+- ``fp8_wide``: the same comparison at four times the width (d 4096, 2+2 layers).
 - ``multi30k``: the shipped Multi30k recipe in ``bf16-mixed`` for the minutes left, then its test BLEU (``--multi30k``
   names the data, written by ``torch-handle prepare multi30k``; without it the step is skipped).
 - ``multi30k_recipe``: the recipe as a user runs it on one GPU (``--config multi30k --config multi30k_gpu``), alone
