@@ -95,9 +95,9 @@ class Seq2SeqModule(Evaluation, Optimization):
             parallelisation plans are applied, and the loss: fused kernels and fewer launches on a GPU, after a
             compilation of about a minute. Chosen for each run: checkpoints do not keep it.
         fp8: Train the layers' matrix products in float8 on an NVIDIA GPU with FP8 tensor cores (compute capability
-            8.9 or newer), with torchao's float8 linears (:mod:`torch_handle.parallel.float8`): alone or under ddp,
-            fsdp or fsdp2, compiled or not. Weights and checkpoints keep their precision; ``test`` and ``predict``
-            decode without float8. Chosen for each run: checkpoints do not keep it.
+            8.9 or newer), with torchao's float8 linears (:mod:`torch_handle.parallel.float8`): alone or under ddp
+            or fsdp2, compiled or not, or under fsdp. Weights and checkpoints keep their precision; ``test`` and
+            ``predict`` decode without float8. Chosen for each run: checkpoints do not keep it.
         init_from: A model to start from: a Hugging Face model folder (BART, mBART, Marian, PEGASUS, T5, mT5, LED) or
             its hub id (``Helsinki-NLP/opus-mt-en-de``, fetched once into the Hugging Face cache), or one of ours as
             :func:`torch_handle.load` reads it (an export, a checkpoint, a run folder, e.g. a ``--config pretrain``
