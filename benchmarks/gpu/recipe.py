@@ -62,8 +62,7 @@ def host_breakdown(setting: Setting, data: Path, work: Path, compiled: bool) -> 
         result = json.loads(out.read_text())
         parts[name] = {part: [ms, syncs] for part, ms, syncs in result["parts"]}
         rates.append(f"{name}: {1e3 / parts[name]['whole step'][0]:.1f} steps/s")
-        # into the step's log at once: a call whose time runs out later still has it (the call M of 2026-11-28 lost
-        # the second breakdown, written to a temporary folder only)
+        # into the step's log at once, which the suite keeps: a call whose time runs out later still has it
         mark(f"host breakdown, {name}: done: {json.dumps(result['parts'])}")
     names = list(parts[next(iter(parts))])
     rows = [[part, *(cell for config in parts.values() for cell in _cells(config.get(part)))] for part in names]
