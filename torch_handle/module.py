@@ -257,7 +257,8 @@ class Seq2SeqModule(Evaluation, Optimization):
         """Applies the run's parallelisation plan once the processes are connected
         (:func:`~torch_handle.parallel.parallelize`): on the mesh of
         :class:`~torch_handle.strategies.ModelParallelStrategy`, or context parallelism on a
-        ``(data_parallel, context_parallel)`` mesh laid out here; compile under any strategy."""
+        ``(data_parallel, context_parallel)`` mesh laid out here; compile under any strategy but fsdp in a mixed
+        precision (refused in one line)."""
         if self._pipeline is not None and self.trainer.state.fn != TrainerFn.FITTING:
             raise SetupError(
                 "this module was split into pipeline stages by fit: test or predict its checkpoint with a new module "
