@@ -210,12 +210,13 @@ def test_sigkill_mid_epoch_resumes_bit_identically_with_dropout(devices: int, ba
     want, total = weights(reference), batches_run(reference)
     assert total > 4 * SAVE_EVERY * devices  # two epochs, so the kill lands mid-epoch 0
 
-    # SIGKILL at step 7: the job dies with no chance to save; step 5's save is the one to continue from.
-    killed = tmp_path / "killed"
-    run = interrupted(demo_args(devices, killed), TORCH_HANDLE_TEST_SIGKILL_AT_STEP="7")
+    # SIGKILL at step 7: the job dies with no chance to save; step 5's save is the one to continue from. The killed
+    # run collates in two loader workers (as configs/multi30k_gpu.yaml does), which prefetch past what was trained.
+    killed, workers = tmp_path / "killed", ["--data.init_args.num_workers", "2"]
+    run = interrupted([*demo_args(devices, killed), *workers], TORCH_HANDLE_TEST_SIGKILL_AT_STEP="7")
     assert run.returncode == -signal.SIGKILL, run.stderr[-3000:]
     before = batches_run(killed)
-    check(cli([*demo_args(devices, killed), "--ckpt_path", "last"]))
+    check(cli([*demo_args(devices, killed), *workers, "--ckpt_path", "last"]))
     assert batches_run(killed) - before == total - SAVE_EVERY * devices  # resumed at step 5, not from scratch
     for name, tensor in want.items():
         assert torch.equal(weights(killed)[name], tensor), name
