@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch.distributed.tensor import DTensor
@@ -333,6 +334,9 @@ STRATEGY_CONFIGS = {
 }
 SINGLE = "single"
 _runs: dict[str, Path] = {}
+SHARES_REFERENCE_RUNS = pytest.mark.xdist_group("reference-runs")
+"""The tests that read :func:`reference_run`'s runs go to one pytest-xdist worker, which trains each run once: the
+runs are cached per process, and another worker would train them again."""
 
 
 def strategy_args(name: str) -> list[str]:

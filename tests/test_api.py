@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import torch_handle
-from tests.helpers import RUN_TIMEOUT, check, env, reference_run
+from tests.helpers import RUN_TIMEOUT, SHARES_REFERENCE_RUNS, check, env, reference_run
 from torch_handle.api import Model
 from torch_handle.checkpoints import CheckpointError
 from torch_handle.cli import main
@@ -181,6 +181,7 @@ def test_translate_cuts_a_text_longer_than_the_model_context_with_a_warning(
 
 @pytest.mark.slow
 @pytest.mark.distributed
+@SHARES_REFERENCE_RUNS
 @pytest.mark.parametrize("strategy", ["zero3", "fsdp"])
 def test_load_reads_a_run_folder_of_sharded_checkpoints(
     strategy: str, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path

@@ -22,6 +22,7 @@ from lightning.pytorch.strategies import Strategy
 from tests.helpers import (
     ROOT,
     RUN_TIMEOUT,
+    SHARES_REFERENCE_RUNS,
     STEPS,
     STRATEGY_CONFIGS,
     check,
@@ -36,6 +37,8 @@ from tests.helpers import (
 from torch_handle.export import read_checkpoint
 from torch_handle.module import Seq2SeqModule
 from torch_handle.strategies import DeepSpeedStrategy, FSDPStrategy
+
+pytestmark = SHARES_REFERENCE_RUNS
 
 RESUME_STEP = 2  # of 15 batches per rank and epoch: mid-epoch
 TOLERANCE = 1e-6  # a resumed run repeats the same float operations; only the restored state could differ

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import (
+    SHARES_REFERENCE_RUNS,
     STEPS,
     assert_weights_close,
     check,
@@ -18,7 +19,8 @@ from tests.helpers import (
     train_losses,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(1200)]  # may train its reference runs
+# The timeout: it may train its reference runs.
+pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(1200), SHARES_REFERENCE_RUNS]
 
 RESUME_STEP = 2
 

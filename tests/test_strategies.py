@@ -16,6 +16,7 @@ from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoin
 
 from tests.helpers import (
     RUN_TIMEOUT,
+    SHARES_REFERENCE_RUNS,
     SINGLE,
     STEPS,
     STRATEGY_CONFIGS,
@@ -39,6 +40,8 @@ from torch_handle.export import export, exported_metadata, load_exported, read_c
 from torch_handle.export.__main__ import main
 from torch_handle.model import Transformer, TransformerConfig, generate
 from torch_handle.parallel import set_zero3_units
+
+pytestmark = SHARES_REFERENCE_RUNS
 
 LOSS_TOLERANCE = 1e-4  # absolute, per batch, over 6 steps (12 batches)
 # Relative Frobenius distance per tensor after 6 steps: every strategy reproduces the single-process weights

@@ -15,8 +15,9 @@ TESTS = ["tests/test_gpu.py", "tests/test_gpu_pretrained.py"]  # the latter skip
 
 def gpu_tests(setting: Setting) -> dict[str, Any]:
     """``pytest -m gpu``: its closing line, and the tests that failed."""
+    workers = ["-n", "0"] if setting.dry_run else []  # on a CPU every test skips: one process collects them
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", *TESTS],
+        [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", *workers, *TESTS],
         cwd=ROOT,
         capture_output=True,
         text=True,
