@@ -38,8 +38,6 @@ from torch_handle.export import read_checkpoint
 from torch_handle.module import Seq2SeqModule
 from torch_handle.strategies import DeepSpeedStrategy, FSDPStrategy
 
-pytestmark = SHARES_REFERENCE_RUNS
-
 RESUME_STEP = 2  # of 15 batches per rank and epoch: mid-epoch
 TOLERANCE = 1e-6  # a resumed run repeats the same float operations; only the restored state could differ
 
@@ -64,6 +62,7 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("strategy", list(STRATEGY_CONFIGS))
+@SHARES_REFERENCE_RUNS
 def test_resume_mid_epoch_matches_the_uninterrupted_run(strategy: str, base: Path, tmp_path: Path) -> None:
     reference = reference_run(strategy, base)
     checkpoint = reference / "checkpoints" / f"epoch=0-step={RESUME_STEP}.ckpt"
@@ -74,6 +73,7 @@ def test_resume_mid_epoch_matches_the_uninterrupted_run(strategy: str, base: Pat
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("strategy", ["ddp", "zero2", "fsdp"])  # a file; DeepSpeed's and FSDP's folders
+@SHARES_REFERENCE_RUNS
 def test_a_moved_run_folder_resumes_into_its_own_last_checkpoint(strategy: str, base: Path, tmp_path: Path) -> None:
     """A run folder renamed or copied elsewhere, resumed from one of its own checkpoints, goes on writing its
     ``last.ckpt``, which ``test`` and ``predict`` read: Lightning dropped the paths it had recorded under the old
@@ -95,6 +95,7 @@ def test_a_moved_run_folder_resumes_into_its_own_last_checkpoint(strategy: str, 
 
 @pytest.mark.slow
 @pytest.mark.distributed
+@SHARES_REFERENCE_RUNS
 def test_sigkill_then_ckpt_path_last_ends_with_the_uninterrupted_weights(base: Path, tmp_path: Path) -> None:
     # SlowDown makes every step after step 2 last a second, so the kill lands mid-epoch, after a checkpoint.
     command = [

@@ -41,8 +41,6 @@ from torch_handle.export.__main__ import main
 from torch_handle.model import Transformer, TransformerConfig, generate
 from torch_handle.parallel import set_zero3_units
 
-pytestmark = SHARES_REFERENCE_RUNS
-
 LOSS_TOLERANCE = 1e-4  # absolute, per batch, over 6 steps (12 batches)
 # Relative Frobenius distance per tensor after 6 steps: every strategy reproduces the single-process weights
 # (g0/2 + g1/2 is exact). FSDP once needed 1e-2 here: it hands configure_optimizers flattened 1-D views, and
@@ -58,6 +56,7 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("strategy", list(STRATEGY_CONFIGS))
+@SHARES_REFERENCE_RUNS
 def test_loss_curve_and_weights_match_single_process(strategy: str, base: Path) -> None:
     expected = train_losses(reference_run(SINGLE, base))
     actual = train_losses(reference_run(strategy, base))
@@ -101,6 +100,7 @@ def test_an_imported_led_trains_on_two_processes_as_on_one(strategy: str, tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.distributed
+@SHARES_REFERENCE_RUNS
 def test_zero3_export_predicts_as_the_gathered_checkpoint(
     base: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -144,6 +144,7 @@ def test_zero3_export_predicts_as_the_gathered_checkpoint(
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "fsdp"])
+@SHARES_REFERENCE_RUNS
 def test_export_of_every_layout_holds_the_trained_weights(strategy: str, base: Path, tmp_path: Path) -> None:
     checkpoint = reference_run(strategy, base) / "checkpoints" / "last.ckpt"
     model, tokenizer = load_exported(export(checkpoint, tmp_path / "model.safetensors"))
@@ -180,6 +181,7 @@ def test_a_failing_rank_ends_the_job(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.distributed
+@SHARES_REFERENCE_RUNS
 def test_two_nodes_on_localhost_train_as_ddp(base: Path, tmp_path: Path) -> None:
     """Two torchrun "nodes" of one process each match the two-process DDP run step for step."""
     port = free_port()
@@ -256,6 +258,7 @@ def zero3_demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@SHARES_REFERENCE_RUNS
 def test_zero3_folder_tests_and_exports(tied: bool, base: Path, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     """fit -> test from the ZeRO-3 folder -> export, with and without tied embeddings."""
     root = request.getfixturevalue("zero3_demo") if tied else reference_run("zero3", base)
@@ -294,6 +297,7 @@ class HookedModules(L.Callback):
 
 @pytest.mark.slow
 @pytest.mark.distributed
+@SHARES_REFERENCE_RUNS  # the worker that trains zero3_demo for test_zero3_folder_tests_and_exports
 def test_zero3_gathers_each_layer_as_one_unit(zero3_demo: Path) -> None:
     # DeepSpeed's default hooks every submodule, and that host time was more than the GPU's work in a step (44.5% of
     # DDP on an H100); the numbers are those of one process either way (test_loss_curve_and_weights_match_...).
