@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from gpu.averaging import multi30k_averaging
 from gpu.decoding import decoding
 from gpu.fp8 import fp8, fp8_loss
 from gpu.gpu_tests import gpu_tests
@@ -55,6 +56,7 @@ STEPS = {
     "fp8": fp8,
     "fp8_wide": functools.partial(fp8, wide=True),
     "multi30k_recipe": multi30k_recipe,
+    "multi30k_averaging": multi30k_averaging,
     "strategy_throughput": strategy_throughput,
     "one_strategy": one_strategy,
 }
@@ -67,7 +69,9 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--multi30k", type=Path, default=ROOT / "data" / "multi30k", help="the multi30k step's data")
     parser.add_argument("--multi30k-epochs", type=int, default=20, help="the multi30k step's epochs (124 steps each)")
-    parser.add_argument("--recipe-epochs", type=int, help="multi30k_recipe's epochs (default: the config's)")
+    parser.add_argument(
+        "--recipe-epochs", type=int, help="multi30k_recipe's and multi30k_averaging's epochs (default: the config's)"
+    )
     parser.add_argument("--recipe-compile", action="store_true", help="multi30k_recipe also times a compiled run")
     parser.add_argument("--strategy", choices=STRATEGY_CONFIGS, help="one_strategy's strategy config")
     parser.add_argument("--overrides", type=json.loads, default={}, help="one_strategy's options over the config's")
@@ -84,6 +88,7 @@ def main() -> None:
     extra = (args.multi30k, args.multi30k_epochs) if args.step == "multi30k" else ()
     extra = (args.multi30k,) if args.step == "fp8_loss" else extra
     extra = (args.multi30k, args.recipe_epochs, args.recipe_compile) if args.step == "multi30k_recipe" else extra
+    extra = (args.multi30k, args.recipe_epochs) if args.step == "multi30k_averaging" else extra
     if args.step == "one_strategy":  # waits inside, with its model built
         extra = (args.strategy, args.overrides, args.profile, ready)
     else:

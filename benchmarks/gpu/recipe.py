@@ -29,7 +29,9 @@ TINY = [
 ]  # fmt: skip
 
 
-def _cli(setting: Setting, subcommand: str, configs: list[str], data: Path, run: Path, extra: list[str]) -> list[str]:
+def user_command(
+    setting: Setting, subcommand: str, configs: list[str], data: Path, run: Path, extra: list[str]
+) -> list[str]:
     """A ``torch-handle`` command line: the user's, at tiny sizes on the CPU in a dry run."""
     command = [sys.executable, str(ROOT / "cli.py"), subcommand, *configs, f"--data.init_args.data_dir={data}"]
     command += [f"--trainer.default_root_dir={run}", f"--trainer.precision={setting.precision}"]
@@ -58,7 +60,7 @@ def host_breakdown(setting: Setting, data: Path, work: Path, compiled: bool) -> 
         runs = dict(list(runs.items())[-1:])
     for name, configs in runs.items():
         out = work / f"timers-{len(parts)}.json"
-        fit = _cli(setting, "fit", configs, data, work / f"timers-{len(parts)}", [])
+        fit = user_command(setting, "fit", configs, data, work / f"timers-{len(parts)}", [])
         fit[1:3] = [str(ROOT / "benchmarks" / "step_timers.py"), str(out), "--skip", str(skip), "fit"]
         fit += [f"--trainer.max_steps={steps}", "--trainer.limit_val_batches=0", "--trainer.num_sanity_val_steps=0"]
         _timed(fit, work / f"timers-{len(parts)}.log")
@@ -94,10 +96,10 @@ def multi30k_recipe(setting: Setting, data: Path, epochs: int | None, compiled: 
     tables = [host_breakdown(setting, data, work, compiled)]
     run, configs = work / "run", GPU
     extra = ["--trainer.max_steps=3"] if setting.dry_run else [f"--trainer.max_epochs={epochs}"] if epochs else []
-    fit_seconds = _timed(_cli(setting, "fit", configs, data, run, extra), work / "fit.log")
+    fit_seconds = _timed(user_command(setting, "fit", configs, data, run, extra), work / "fit.log")
     mark(f"fit: {fit_seconds:.0f} s")
     test_log = work / "test.log"
-    test_seconds = _timed(_cli(setting, "test", configs, data, run, []), test_log)
+    test_seconds = _timed(user_command(setting, "test", configs, data, run, []), test_log)
     mark(f"test: {test_seconds:.0f} s")
     printed = [line for line in test_log.read_text().splitlines() if line.startswith(("BLEU ", "chrF2 "))]
     last = torch.load(next(run.rglob("last.ckpt")), map_location="cpu", weights_only=True, mmap=True)
