@@ -38,9 +38,8 @@ models and lengths, so that the suite cannot rot between the sessions that have 
 - ``multi30k_recipe``: the recipe as a user runs it on one GPU (``--config multi30k --config multi30k_gpu``), alone
   on the device: each config's host time per step, part by part; then the whole fit and the test, timed, and BLEU.
 - ``multi30k_averaging`` (on a GPU only when named, ``--step``: it takes a call of its own; a dry run runs it with
-  the rest): the GPU recipe plain and with
-  ``--config ema``, side by side, and averages of the plain run's last checkpoints; validation BLEU chooses the
-  average, test_2016_flickr is scored once for each of the three (issue 41).
+  the rest): the GPU recipe plain and with ``--config ema``, side by side, and averages of the plain run's last
+  checkpoints; validation BLEU chooses the average, test_2016_flickr is scored once for each of the three (issue 41).
 """
 
 from __future__ import annotations
