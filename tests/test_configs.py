@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -25,11 +26,25 @@ STAND_INS = {"led-base-16384": stand_in_led, "Helsinki-NLP/opus-mt-en-de": stand
 
 def _stack(path: Path) -> list[str]:
     """A strategy config (only ``trainer:`` settings, e.g. ddp or zero*) or one that sets a data config's options
-    (``data.init_args``, e.g. multi30k_gpu) is meant to be stacked on a data/model config; ``demo.yaml`` stands in for
-    the one its header names."""
+    (``data.init_args`` without a class, e.g. multi30k_gpu, qmsum) is meant to be stacked on a data/model config: the
+    one its header stacks it on (``--config BASE --config NAME``), else ``demo.yaml``."""
     config = yaml.safe_load(path.read_text(encoding="utf-8"))
-    fragment = "model" not in config and "class_path" not in config.get("data", {})
-    return [f"--config={DEMO}", f"--config={path}"] if fragment else [f"--config={path}"]
+    if "class_path" in config.get("data", {}) or "task" in config.get("model", {}):
+        return [f"--config={path}"]
+    named = re.search(rf"--config (\w+) --config {path.stem}\b", path.read_text(encoding="utf-8"))
+    base = ROOT / "configs" / f"{named[1]}.yaml" if named else DEMO
+    return [f"--config={base}", f"--config={path}"]
+
+
+def _data_folder(tmp_path: Path, shared_data: Path) -> None:
+    """``data/`` as ``prepare`` writes it, from the shared corpora; QMSum's every-query files, which ``../shared``
+    lacks, stood in by its general queries (the same fields)."""
+    for corpus in (path for path in shared_data.iterdir() if path.is_dir()):
+        (tmp_path / "data" / corpus.name).mkdir(parents=True)
+        for file in corpus.iterdir():
+            (tmp_path / "data" / corpus.name / file.name).symlink_to(file)
+    for split in ("train", "val", "test"):
+        (tmp_path / "data" / "qmsum" / f"{split}_all.jsonl").symlink_to(shared_data / "qmsum" / "val.jsonl")
 
 
 def test_configs_are_found() -> None:
@@ -40,15 +55,17 @@ def test_configs_are_found() -> None:
 def test_config_parses_and_instantiates(
     path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
-    data = (yaml.safe_load(path.read_text(encoding="utf-8")).get("data") or {}).get("init_args", {})
-    paths = [path for value in data.values() for path in (value if isinstance(value, list) else [value])]
+    stack = _stack(path)
+    args = [*stack, f"--trainer.default_root_dir={tmp_path}", *FAST]
+    stacked = [yaml.safe_load(Path(arg.split("=", 1)[1]).read_text(encoding="utf-8")) for arg in stack]
+    data = [value for c in stacked for value in ((c.get("data") or {}).get("init_args") or {}).values()]
+    paths = [path for value in data for path in (value if isinstance(value, list) else [value])]
     if any(str(path).startswith("data/") for path in paths):  # data/<corpus>, as prepare writes it
-        (tmp_path / "data").symlink_to(request.getfixturevalue("shared_data"))  # skips when it is absent
+        _data_folder(tmp_path, request.getfixturevalue("shared_data"))  # skips when it is absent
     init_from = (yaml.safe_load(path.read_text(encoding="utf-8")).get("model") or {}).get("init_from")
     if init_from is not None:
         STAND_INS[init_from](tmp_path / init_from)
     monkeypatch.chdir(tmp_path)  # data paths in configs are relative to the working directory
-    args = [*_stack(path), f"--trainer.default_root_dir={tmp_path}", *FAST]
     if init_from is not None:  # such a config then trains for two steps, on batches the stand-in runs quickly
         args += ["--trainer.max_steps=2", "--trainer.limit_val_batches=1", "--data.init_args.max_tokens=1024"]
     cli = TorchHandleCLI(
@@ -64,6 +81,13 @@ def test_config_parses_and_instantiates(
     config = yaml.safe_load(path.read_text(encoding="utf-8"))
     for key, value in config.get("model", {}).get("transformer", {}).items():
         assert getattr(cli.model.config, key) == value, f"{path.name}: model.transformer.{key}"
+    typed = {arg.split("=", 1)[0] for arg in args}
+    for key, value in config.get("model", {}).items():  # a stacked config's options win over its base's
+        if key not in ("transformer", "init_from"):
+            assert cli.config.model[key] == value, f"{path.name}: model.{key}"
+    for key, value in config.get("data", {}).get("init_args", {}).items():
+        if f"--data.init_args.{key}" not in typed:
+            assert cli.config.data.init_args[key] == value, f"{path.name}: data.init_args.{key}"
     if "class_path" in config.get("data", {}):
         assert type(cli.datamodule).__name__ == config["data"]["class_path"].rsplit(".", 1)[-1]
     if init_from is not None:  # the folder's architecture, weights and tokenizer train as the run's

@@ -88,8 +88,8 @@ def test_config_by_unknown_name_is_one_line(capsys: pytest.CaptureFixture[str]) 
         main(["fit", "--config", "zero4"])
     assert str(exit_info.value.code) == (
         "error: --config zero4: no such file, and no shipped config of that name (shipped: ddp, demo, ema, fsdp, "
-        "fsdp2_tp, mlflow, multi30k, multi30k_gpu, pp, pretrain, summarization, summarization_32k, summarization_cp, "
-        "summarization_led, tp, translation_opus_mt, wandb, zero1, zero2, zero3, zero3_offload)"
+        "fsdp2_tp, mlflow, multi30k, multi30k_gpu, pp, pretrain, qmsum, summarization, summarization_32k, "
+        "summarization_cp, summarization_led, tp, translation_opus_mt, wandb, zero1, zero2, zero3, zero3_offload)"
     )
 
 
