@@ -120,22 +120,41 @@ def score(run: Path, data: Path, limit: int | None, device: str = "cpu") -> list
     return rows
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def recipe_options(description: str, run: str, argv: list[str] | None) -> argparse.Namespace:
+    """The options of a benchmark of the recipe's run (this one's, ``bench_averaging``'s), parsed; sets the threads."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, default=Path("data/multi30k"), help="torch-handle prepare's folder")
-    parser.add_argument("--run", type=Path, default=Path("runs/multi30k"), help="the run folder to write or score")
+    parser.add_argument("--run", type=Path, default=Path(run), help="the run folder to write or score")
     parser.add_argument("--no-fit", action="store_true", help="score the existing run in --run")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="intra-op threads")
-    parser.add_argument("--dry-run", action="store_true", help="tiny model, 3 steps, 20 sentences; no write")
+    parser.add_argument("--dry-run", action="store_true", help="a tiny model, a few steps, 20 sentences; no write")
     parser.add_argument("--no-write", action="store_true", help="print the section instead of writing RESULTS.md")
     options = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(options.threads)
-    machine = machine_line(options.threads, torch.__version__)
+    return options
+
+
+def training_time(options: argparse.Namespace, extra: list[str]) -> tuple[float, str]:
+    """Fits the recipe with ``extra`` and times it, or with ``--no-fit`` reads the run's time: seconds, and how."""
     if options.no_fit:
-        seconds, how = logged_training_seconds(options.run), "first to last TensorBoard event of the run"
+        return logged_training_seconds(options.run), "first to last TensorBoard event of the run"
+    return fit(options.data, options.run, options.threads, extra), "wall"
+
+
+def publish(options: argparse.Namespace, name: str, section: str) -> None:
+    """Writes ``section`` into RESULTS.md as section ``name``, or prints it (a dry run, ``--no-write``)."""
+    if options.dry_run or options.no_write:
+        print(section)
     else:
-        seconds, how = fit(options.data, options.run, options.threads, DRY_RUN if options.dry_run else []), "wall"
+        write_section(name, section)
+        log.info("wrote the %s section of benchmarks/RESULTS.md", name)
+
+
+def main(argv: list[str] | None = None) -> None:
+    options = recipe_options(__doc__, "runs/multi30k", argv)
+    machine = machine_line(options.threads, torch.__version__)
+    seconds, how = training_time(options, DRY_RUN if options.dry_run else [])
     rows = score(options.run, options.data, 20 if options.dry_run else None)
     section = "\n\n".join(
         [
@@ -147,11 +166,7 @@ def main(argv: list[str] | None = None) -> None:
             f"`{TOKENIZED.get_signature().format()}` (on `lc.norm.tok` text).",
         ]
     )
-    if options.dry_run or options.no_write:
-        print(section)
-    else:
-        write_section(SECTION, section)
-        log.info("wrote the %s section of benchmarks/RESULTS.md", SECTION)
+    publish(options, SECTION, section)
 
 
 if __name__ == "__main__":

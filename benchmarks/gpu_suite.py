@@ -38,8 +38,9 @@ models and lengths, so that the suite cannot rot between the sessions that have 
 - ``multi30k_recipe``: the recipe as a user runs it on one GPU (``--config multi30k --config multi30k_gpu``), alone
   on the device: each config's host time per step, part by part; then the whole fit and the test, timed, and BLEU.
 - ``multi30k_averaging`` (on a GPU only when named, ``--step``: it takes a call of its own; a dry run runs it with
-  the rest): the GPU recipe plain and with ``--config ema``, side by side, and averages of the plain run's last
-  checkpoints; validation BLEU chooses the average, test_2016_flickr is scored once for each of the three (issue 41).
+  the rest): one fit of the GPU recipe with ``--config ema`` keeping every epoch's checkpoint, then
+  ``bench_averaging``'s comparison of its trained weights, their EMA and averages of its last checkpoints' trained
+  weights; validation BLEU chooses the average, test_2016_flickr is scored once for each of the three (issue 41).
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ LIMITS = {
     "fp8": (150, 120),  # four compiled loops of the ~400M model
     "fp8_wide": (90, 120),  # two compiled loops of a 4-layer model four times as wide
     "multi30k_recipe": (560, 240),  # two short timed fits, the full fit (60 epochs), its test and BLEU
-    "multi30k_averaging": (590, 300),  # two full fits side by side (--recipe-epochs shortens them), 7 BLEU scorings
+    "multi30k_averaging": (590, 300),  # the full fit with EMA (--recipe-epochs shortens it), 7 BLEU scorings
 }
 SIDE_BY_SIDE = ("gpu_tests", "strategies", "multi30k", "fp8_loss", "multi30k_averaging")
 OPT_IN = ("multi30k_averaging",)  # a call of its own on a GPU (--step); a dry run runs it with the rest

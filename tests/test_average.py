@@ -88,21 +88,49 @@ def test_last_n_takes_the_highest_steps_and_last_ckpt_once(tmp_path: Path) -> No
 
 def test_last_n_skips_an_earlier_average_and_the_average_holds_no_resume_state(tmp_path: Path) -> None:
     """``--last N --out RUN/checkpoints/averaged.ckpt`` twice: the second run averages the same inputs, not the first
-    average (same newest step, sorted first); callbacks' state (EMA's model copy) is resume state, not written."""
+    average (same newest step, sorted first); callbacks' state and an EMA run's raw weights are resume state, not
+    written."""
     folder = tmp_path / "run" / "checkpoints"
     folder.mkdir(parents=True)
     for step in (10, 20):
         _checkpoint(folder / f"epoch={step // 10}-step={step}.ckpt", step=step, seed=step)
     state = torch.load(folder / "epoch=2-step=20.ckpt", weights_only=True)
-    torch.save(
-        state | {"callbacks": {"EMA": {"current_model_state": {}}}, "loops": {}}, folder / "epoch=2-step=20.ckpt"
-    )
+    ema = {"current_model_state": state["state_dict"], "averaging_state": {"n_averaged": torch.tensor(20)}}
+    torch.save(state | ema | {"callbacks": {"EMA": {}}, "loops": {}}, folder / "epoch=2-step=20.ckpt")
     inputs = [folder / "epoch=1-step=10.ckpt", folder / "epoch=2-step=20.ckpt"]
     assert last_checkpoints(folder, 2) == inputs
     write_average(inputs, folder / "averaged.ckpt")
     assert last_checkpoints(folder, 2) == inputs
     averaged = torch.load(folder / "averaged.ckpt", weights_only=True)
-    assert averaged["global_step"] == 20 and not {"callbacks", "loops", "optimizer_states"} & averaged.keys()
+    assert averaged["global_step"] == 20
+    assert not {"callbacks", "loops", "optimizer_states", "current_model_state", "averaging_state"} & averaged.keys()
+
+
+def test_trained_averages_an_ema_runs_trained_weights_and_refuses_other_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--trained`` reads each checkpoint's ``current_model_state`` (where EMA keeps the trained weights) instead of
+    its ``state_dict`` (the EMA); a checkpoint without it is one line naming it."""
+    trained = []
+    for step in (10, 20):
+        ema = _checkpoint(tmp_path / f"{step}.ckpt", step=step, seed=step)
+        trained.append({name: tensor + 1 if tensor.is_floating_point() else tensor for name, tensor in ema.items()})
+        state = torch.load(tmp_path / f"{step}.ckpt", weights_only=True)
+        torch.save(state | {"current_model_state": trained[-1]}, tmp_path / f"{step}.ckpt")
+    argv = ["torch-handle", "average", str(tmp_path / "10.ckpt"), str(tmp_path / "20.ckpt"), "--trained"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--out", str(tmp_path / "avg.ckpt")])
+    command()
+    averaged = torch.load(tmp_path / "avg.ckpt", weights_only=True)["state_dict"]
+    torch.testing.assert_close(averaged["model.w"], (trained[0]["model.w"] + trained[1]["model.w"]) / 2, rtol=0, atol=0)
+    _checkpoint(tmp_path / "plain.ckpt", step=30)
+    monkeypatch.setattr(sys, "argv", [*argv[:2], str(tmp_path / "plain.ckpt"), "--trained", "--out", "x.ckpt"])
+    with pytest.raises(SystemExit) as exited:
+        command()
+    assert exited.value.code == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: {tmp_path / 'plain.ckpt'} holds no trained weights apart from its average (current_model_state): it "
+        "is not from a run with --config ema; average it without --trained"
+    ]
 
 
 @pytest.mark.slow

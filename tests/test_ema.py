@@ -49,6 +49,20 @@ def test_ema_is_saved_evaluated_and_resumed(tmp_path: Path) -> None:
             torch.testing.assert_close(resumed[key][name], value, rtol=0, atol=1e-6, msg=f"{key} {name}")
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_ema_leaves_training_untouched(tmp_path: Path) -> None:
+    """An EMA run's trained weights are those of the same fit without ``--config ema``: what ``average --trained``
+    and ``benchmarks/bench_averaging.py`` compare as the plain run (validation runs on the average, then swaps back)."""
+    ema = ema_fit(tmp_path / "ema", "--trainer.val_check_interval", "2")
+    schedule = ["--trainer.max_steps", str(STEPS), "--checkpoint.every_n_train_steps", str(RESUME_STEP)]
+    check(cli(fit_args(tmp_path / "plain", *schedule, "--trainer.val_check_interval", "2")))
+    plain = torch.load(tmp_path / "plain" / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    assert plain.keys() == ema["current_model_state"].keys()
+    for name, value in plain.items():
+        torch.testing.assert_close(ema["current_model_state"][name], value, rtol=0, atol=0, msg=name)
+
+
 @pytest.mark.parametrize("strategy", [DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy])
 def test_ema_refuses_strategies_it_cannot_average(strategy: type) -> None:
     trainer = Mock(strategy=Mock(spec=strategy))

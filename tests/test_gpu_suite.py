@@ -16,6 +16,9 @@ import torch
 
 from tests.helpers import ROOT, env
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_averaging import EMA_ROW, TRAINED_ROW  # noqa: E402
+
 STEPS = ["gpu_tests", "strategies", "multi30k", "fp8_loss", "multi30k_averaging"]  # side by side
 STEPS += ["throughput", "strategy_throughput", "long", "decoding", "fp8", "multi30k_recipe"]  # timed
 
@@ -78,7 +81,7 @@ def test_dry_run_passes_every_step_and_writes_its_tables(tmp_path: Path, shared_
     assert bleu["rows"][0][:2] == ["test_2016_flickr", 20] and float(bleu["rows"][0][2]) >= 0
     averaging = json.loads((tmp_path / "multi30k_averaging.json").read_text())  # chosen on val, test scored once
     weights = {row[0]: row[1:] for row in averaging["tables"][0]["rows"]}
-    assert [*weights][:2] == ["last checkpoint", "EMA (--config ema)"] and averaging["chosen"] in weights
+    assert [*weights][:2] == [TRAINED_ROW, EMA_ROW] and averaging["chosen"] in weights
     tested = [name for name, cells in weights.items() if not cells[2].startswith("not scored")]
     assert tested == [*weights][:2] + [averaging["chosen"]] and len(weights) == 4  # two averages tried
 

@@ -25,8 +25,12 @@ from torch_handle.checkpoints import CONFIG_FILE, TOKENIZER_FILE, CheckpointErro
 from torch_handle.commands import typed_command
 
 log = logging.getLogger(__name__)
-# Resume state of the newest input (its optimizer, its callbacks' such as EMA's model copy, its loops), not of the mean.
-RESUME_FIELDS = ("optimizer_states", "lr_schedulers", "callbacks", "loops")
+# Resume state of the newest input (its optimizer, callbacks, loops, and an EMA run's raw weights and counters), not of
+# the mean.
+RESUME_FIELDS = (
+    "optimizer_states", "lr_schedulers", "callbacks", "loops", "rng_states", "current_model_state", "averaging_state"
+)  # fmt: skip
+TRAINED = "current_model_state"  # where an EMA run's checkpoints keep the trained weights (Lightning's WeightAveraging)
 
 
 def _load(path: Path) -> dict[str, Any]:
@@ -56,9 +60,10 @@ def _check_same_tensors(first: dict[str, Tensor], other: dict[str, Tensor], name
             )
 
 
-def average_checkpoints(paths: Sequence[str | Path]) -> dict[str, Any]:
+def average_checkpoints(paths: Sequence[str | Path], weights: str = "state_dict") -> dict[str, Any]:
     """The last of ``paths``' checkpoints with every floating-point tensor of its ``state_dict`` replaced by the mean
-    over all ``paths`` (summed in float64, stored in its own dtype); other tensors (counters) must be equal.
+    over all ``paths`` of their ``weights`` (``state_dict``, or :data:`TRAINED` for an EMA run's trained weights),
+    summed in float64 and stored in its own dtype; other tensors (counters) must be equal.
 
     Raises:
         CheckpointError: A path is missing, not a checkpoint, could run code, or holds other tensors than the first.
@@ -71,13 +76,18 @@ def average_checkpoints(paths: Sequence[str | Path]) -> dict[str, Any]:
     newest: dict[str, Any] = {}
     for path in paths:
         newest = _load(path)
-        weights = newest["state_dict"]
+        if weights not in newest:
+            raise CheckpointError(
+                f"{path} holds no trained weights apart from its average ({weights}): it is not from a run with "
+                "--config ema; average it without --trained"
+            )
+        state = newest[weights]
         if not first:
-            first = weights
-            sums = {name: t.double() if t.is_floating_point() else t.clone() for name, t in weights.items()}
+            first = state
+            sums = {name: t.double() if t.is_floating_point() else t.clone() for name, t in state.items()}
             continue
-        _check_same_tensors(first, weights, (paths[0], path))
-        for name, tensor in weights.items():
+        _check_same_tensors(first, state, (paths[0], path))
+        for name, tensor in state.items():
             if tensor.is_floating_point():
                 sums[name] += tensor.double()
             elif not torch.equal(sums[name], tensor):
@@ -116,12 +126,12 @@ def last_checkpoints(run: str | Path, n: int) -> list[Path]:
     return [by_step[step] for step in sorted(by_step)[-n:]]
 
 
-def write_average(paths: Sequence[str | Path], output: str | Path) -> Path:
+def write_average(paths: Sequence[str | Path], output: str | Path, weights: str = "state_dict") -> Path:
     """Averages ``paths`` into the checkpoint ``output`` (written whole or not at all), with the tokenizer and model
     config files of the newest input's folder beside it where ``output``'s folder has none, so that ``test`` and
     ``predict`` decode as training encoded."""
     output = Path(output)
-    state = average_checkpoints(paths)
+    state = average_checkpoints(paths, weights)
     with atomic_path(output) as tmp:
         torch.save(state, tmp)
     source = Path(paths[-1]).parent
@@ -137,6 +147,9 @@ def main(args: list[str] | None = None) -> None:
     parser.add_argument("checkpoints", nargs="+", help=".ckpt files to average, or with --last one run folder")
     parser.add_argument("--out", required=True, help="the averaged checkpoint to write (a .ckpt file)")
     parser.add_argument("--last", type=int, help="average the N checkpoints at the highest steps of the run folder")
+    parser.add_argument(
+        "--trained", action="store_true", help="of a run with --config ema: its trained weights, not their EMA"
+    )
     options = parser.parse_args(args)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
@@ -148,7 +161,7 @@ def main(args: list[str] | None = None) -> None:
             paths = last_checkpoints(options.checkpoints[0], options.last)
         else:
             paths = [Path(p) for p in options.checkpoints]
-        write_average(paths, options.out)
+        write_average(paths, options.out, TRAINED if options.trained else "state_dict")
     except CheckpointError as err:
         raise SystemExit(f"error: {err}") from err
 

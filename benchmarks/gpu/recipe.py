@@ -38,7 +38,7 @@ def user_command(
     return command + (["--trainer.accelerator=cpu", *TINY] if setting.dry_run else []) + extra
 
 
-def _timed(command: list[str], log: Path) -> float:
+def timed_command(command: list[str], log: Path) -> float:
     """Runs ``command`` with its output in ``log``; its wall-clock seconds."""
     start = time.perf_counter()
     with log.open("w") as out:
@@ -63,7 +63,7 @@ def host_breakdown(setting: Setting, data: Path, work: Path, compiled: bool) -> 
         fit = user_command(setting, "fit", configs, data, work / f"timers-{len(parts)}", [])
         fit[1:3] = [str(ROOT / "benchmarks" / "step_timers.py"), str(out), "--skip", str(skip), "fit"]
         fit += [f"--trainer.max_steps={steps}", "--trainer.limit_val_batches=0", "--trainer.num_sanity_val_steps=0"]
-        _timed(fit, work / f"timers-{len(parts)}.log")
+        timed_command(fit, work / f"timers-{len(parts)}.log")
         result = json.loads(out.read_text())
         parts[name] = {part: [ms, syncs] for part, ms, syncs in result["parts"]}
         rates.append(f"{name}: {1e3 / parts[name]['whole step'][0]:.1f} steps/s")
@@ -96,10 +96,10 @@ def multi30k_recipe(setting: Setting, data: Path, epochs: int | None, compiled: 
     tables = [host_breakdown(setting, data, work, compiled)]
     run, configs = work / "run", GPU
     extra = ["--trainer.max_steps=3"] if setting.dry_run else [f"--trainer.max_epochs={epochs}"] if epochs else []
-    fit_seconds = _timed(user_command(setting, "fit", configs, data, run, extra), work / "fit.log")
+    fit_seconds = timed_command(user_command(setting, "fit", configs, data, run, extra), work / "fit.log")
     mark(f"fit: {fit_seconds:.0f} s")
     test_log = work / "test.log"
-    test_seconds = _timed(user_command(setting, "test", configs, data, run, []), test_log)
+    test_seconds = timed_command(user_command(setting, "test", configs, data, run, []), test_log)
     mark(f"test: {test_seconds:.0f} s")
     printed = [line for line in test_log.read_text().splitlines() if line.startswith(("BLEU ", "chrF2 "))]
     last = torch.load(next(run.rglob("last.ckpt")), map_location="cpu", weights_only=True, mmap=True)
