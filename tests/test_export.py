@@ -268,3 +268,10 @@ def test_the_export_after_a_killed_one_leaves_no_temporary_file(tmp_path: Path) 
     assert run.returncode == 0, run.stderr[-3000:]
     assert [p.name for p in out.iterdir()] == ["model.safetensors"]
     load_exported(out / "model.safetensors")
+
+
+def test_an_export_older_than_copy_attention_loads_without_it(tmp_path: Path) -> None:
+    path = _good(tmp_path / "model.safetensors")
+    _rewrite(path, _transformer(lambda f: f.pop("copy_attention")))
+    model = load_exported(path)[0]
+    assert not model.config.copy_attention

@@ -282,6 +282,11 @@ REFUSED = {
         {"cross_downsample": 2},
         "cross_downsample=2: CTranslate2's decoder attends to every encoder position; train with cross_downsample: 1",
     ),
+    "copy": (
+        {"copy_attention": True},
+        "copy_attention=True: CTranslate2's decoder has no copy distribution; decode with torch_handle.load, or "
+        "export --format safetensors",
+    ),
     "no-encoder": (
         {"num_encoder_layers": 0},
         "num_encoder_layers=0: CTranslate2 counts layers from the weights and needs one at least; "

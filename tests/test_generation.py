@@ -420,7 +420,7 @@ class _ScriptedDecoder:
     def memory_padding(self, src: Tensor) -> Tensor:
         return torch.zeros(src.shape[0], 1, dtype=torch.bool)
 
-    def new_cache(self, capacity: int) -> _PrefixCache:
+    def new_cache(self, capacity: int, source: Tensor | None = None) -> _PrefixCache:
         return _PrefixCache()
 
     def decode(self, tokens: Tensor, memory: Tensor, memory_padding: Tensor, cache: _PrefixCache) -> Tensor:

@@ -24,7 +24,7 @@ from typing_extensions import override
 
 from tests.helpers import STRATEGY_CONFIGS, TINY_MODEL, check, cli
 from tests.one_process import in_this_process
-from torch_handle.export import export
+from torch_handle.export import export, load_exported
 from torch_handle.model import CompiledDecode, Transformer, TransformerConfig
 from torch_handle.model.generation import generate
 from torch_handle.model.logits import DecodingControls
@@ -142,7 +142,12 @@ ONE_PROCESS = ("--trainer.devices", "1")  # such a run needs no launch: tests.on
 def summarizer(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A tiny summarizer exported after one training step, and a test set of 4 short and 2 long documents: one
     batch of each, so one rank decodes only short documents and the other only long ones."""
-    root = tmp_path_factory.mktemp("lockstep")
+    return _summarizer(tmp_path_factory.mktemp("lockstep"))
+
+
+def _summarizer(root: Path, *options: str) -> tuple[Path, Path]:
+    """:func:`summarizer`'s model, with ``options`` added to its ``fit``, in ``root``."""
+    root.mkdir(parents=True, exist_ok=True)
     rng = random.Random(0)
     train = _write_jsonl(root / "train.jsonl", _documents(rng, 12, (5, 60)))
     test = _write_jsonl(root / "test.jsonl", _documents(rng, 4, (2, 4)) + _documents(rng, 2, (40, 90)))
@@ -153,6 +158,7 @@ def summarizer(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
         "--trainer.limit_val_batches", "0",
         "--data.init_args.train_file", str(train),
         "--data.init_args.bpe_vocab_size", "300",
+        *options,
     ]  # fmt: skip
     in_this_process(args, root / "fit")
     return export(root / "fit" / "checkpoints" / "last.ckpt", root / "model.safetensors"), test
@@ -240,6 +246,19 @@ def test_mixed_length_summaries_on_two_processes_equal_one_process(
         outputs, _ = recorded["outputs" if controls else "plain"]
     else:
         outputs, _ = decoded("--config", STRATEGY_CONFIGS[strategy], *controls)["outputs"]
+    assert outputs == expected
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_copy_attention_summaries_under_zero3_equal_one_process(tmp_path: Path) -> None:
+    # The source ids travel with the cache through hierarchical decoding's calls and the dummy calls of the rank that
+    # finished first, while ZeRO-3 gathers the copy head's parameters in every forward pass.
+    model, test = _summarizer(tmp_path / "model", "--model.transformer.copy_attention", "true")
+    assert load_exported(model)[0].config.copy_attention
+    expected, long = _test_outputs(model, test, tmp_path / "one", *ONE_PROCESS)["outputs"]
+    assert len(expected) == 6 and long == 2, "short and long documents, decoded"
+    outputs, _ = _test_outputs(model, test, tmp_path / "zero3", "--config", STRATEGY_CONFIGS["zero3"])["outputs"]
     assert outputs == expected
 
 

@@ -71,6 +71,35 @@ def test_loss_curve_and_weights_match_single_process(strategy: str, base: Path) 
         assert distance <= EXACT, f"{name}: relative distance {distance:.1e} over {EXACT:.0e}"
 
 
+COPYING = ["--model.transformer.copy_attention", "true"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("strategy", ["ddp", "zero3", "fsdp"])
+def test_copy_attention_trains_on_two_processes_as_on_one(strategy: str, base: Path, tmp_path: Path) -> None:
+    """The tiny T5 folder gains a fresh copy head (``--model.transformer.copy_attention``), which every strategy that
+    trains it must train as one process does: every batch's loss and the last weights, the copy head's included."""
+    single = base / "copying-single"
+    if not (single / "checkpoints" / "last.ckpt").exists():  # one reference for the three strategies
+        in_this_process(reference_args(SINGLE, single, *COPYING), single)
+    check(cli(reference_args(strategy, tmp_path, *COPYING)))
+    expected, actual = train_losses(single), train_losses(tmp_path)
+    assert list(actual) == list(expected) == list(range(2 * STEPS))
+    for index, loss in expected.items():
+        assert actual[index] == pytest.approx(loss, abs=LOSS_TOLERANCE), f"batch {index}"
+    want, _, _ = read_checkpoint(single / "checkpoints" / "last.ckpt")
+    got, _, _ = read_checkpoint(tmp_path / "checkpoints" / "last.ckpt")
+    assert got.keys() == want.keys() and any("copy.query" in name for name in want)
+    for name in want:
+        if not want[name].any():
+            assert torch.equal(got[name], want[name]), name
+            continue
+        distance = torch.linalg.norm(got[name] - want[name]) / torch.linalg.norm(want[name])
+        assert distance <= EXACT, f"{name}: relative distance {distance:.1e} over {EXACT:.0e}"
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.timeout(900)

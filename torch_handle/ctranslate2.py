@@ -80,6 +80,11 @@ def unsupported(config: TransformerConfig) -> str | None:
             f"cross_downsample={config.cross_downsample}: CTranslate2's decoder attends to every encoder position; "
             "train with cross_downsample: 1"
         )
+    if config.copy_attention:
+        return (
+            "copy_attention=True: CTranslate2's decoder has no copy distribution; decode with torch_handle.load, or "
+            "export --format safetensors"
+        )
     imported = {name: getattr(config, name) for name, ours in _OURS.items() if getattr(config, name) != ours}
     if config.activation == "silu":
         imported["activation"] = "silu"

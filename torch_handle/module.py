@@ -194,6 +194,7 @@ class Seq2SeqModule(Evaluation, Optimization, Parallelism):
             attention_backend=given.attention_backend,
             activation_checkpointing=given.activation_checkpointing,
             global_tokens=given.global_tokens,
+            copy_attention=given.copy_attention,
         )
         built = isinstance(self.hparams["transformer"], TransformerConfig)  # else its fields, as the CLI keeps them
         self.hparams["transformer"] = config if built else config.to_dict()
@@ -216,7 +217,9 @@ class Seq2SeqModule(Evaluation, Optimization, Parallelism):
             if memory is None:
                 logits = self.model(src, tgt[:, :-1], targets)  # (N, V)
             else:
-                logits = self.model.decode(tgt[:, :-1], memory, self.model.memory_padding(src), targets=targets)
+                logits = self.model.decode(
+                    tgt[:, :-1], memory, self.model.memory_padding(src), targets=targets, source=src
+                )
         return self._token_sums(logits, labels[targets])
 
     def _token_sums(self, logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -161,14 +161,20 @@ def mismatches(shell: Transformer, shapes: dict[str, tuple[int, ...]]) -> str:
     return "; ".join(sorted(problems))
 
 
+# Fields of TransformerConfig newer than the first exports, with the value an export without them means.
+ADDED_FIELDS: dict[str, object] = {"copy_attention": False}
+
+
 def _exported_config(path: Path, text: str | None, redo: str) -> TransformerConfig:
-    """The ``transformer`` metadata: a JSON object with every field of :class:`TransformerConfig`, each typed."""
+    """The ``transformer`` metadata: a JSON object with every field of :class:`TransformerConfig` (but
+    :data:`ADDED_FIELDS`, which an older export lacks), each typed."""
     try:
         fields = json.loads(text) if text is not None else None
     except json.JSONDecodeError as err:
         raise CheckpointError(f"{path}: its transformer metadata is not JSON ({err}): {redo}") from err
     if not isinstance(fields, dict):
         raise CheckpointError(f"{path} holds no transformer config object in its metadata: {redo}")
+    fields = ADDED_FIELDS | fields
     hints = get_type_hints(TransformerConfig)
     unknown, missing = sorted(fields.keys() - hints.keys()), sorted(hints.keys() - fields.keys())
     if unknown or missing:

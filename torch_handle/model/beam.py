@@ -40,14 +40,15 @@ def beam_search(
     # One memory row per source, shared by its K beams (rows b*K .. b*K+K-1): cross-attention reads it once.
     memory = model.encode(src) if memory is None else memory
     memory_padding = model.memory_padding(src)
+    source = src if c.copy_attention else None
     static = None
     if decode is not None:
         check_owner(decode, model)
     if decode is not None or cuda_graph:
         static = StaticDecoder(
-            model, memory, memory_padding, max_new_tokens, graph=cuda_graph, decode=decode, rows=b * k
+            model, memory, memory_padding, max_new_tokens, graph=cuda_graph, decode=decode, rows=b * k, source=source
         )
-    cache = model.new_cache(max_new_tokens) if static is None else static.cache
+    cache = model.new_cache(max_new_tokens, source=source) if static is None else static.cache
     tokens = torch.full((b * k, 1), c.bos_id, dtype=torch.long, device=src.device)
     scores = torch.zeros(b, k, device=src.device)
     scores[:, 1:] = float("-inf")  # all beams start equal: expand only the first

@@ -16,7 +16,9 @@ class DecoderCache:
     step and advances its position on the device: see :meth:`Transformer.new_cache`.
     """
 
-    def __init__(self, num_layers: int, capacity: int, position: Tensor | None = None) -> None:
+    def __init__(
+        self, num_layers: int, capacity: int, position: Tensor | None = None, source: Tensor | None = None
+    ) -> None:
         self.layers = [(KVCache(position), KVCache()) for _ in range(num_layers)]
         self.capacity = capacity
         self.length = 0
@@ -25,6 +27,7 @@ class DecoderCache:
         self.rope: tuple[Tensor, Tensor] | None = None  # a static cache's RoPE angles for every position
         self.bias: Tensor | None = None  # a static cache's relative position bias (1, H, capacity, capacity + 1)
         self.window: Tensor | None = None  # see :meth:`attend_written`
+        self.source = source  # the source ids under copy_attention: a row per source, as cross-attention's keys
 
     def attend_written(self, filled: int) -> Tensor:
         """Have a static cache's next step attend over the ``filled`` positions written and its own, not the whole
@@ -51,6 +54,8 @@ class DecoderCache:
                 raise ValueError("a static cache keeps its rows: reorder them, or decode with a dynamic cache")
             if filled is None:
                 raise ValueError("a static cache counts its positions on the device: pass the number filled")
+        if self.source is not None and rows is not None and index.shape[0] != rows:
+            self.source = self.source[_sources(index, rows // self.source.shape[0])]
         for self_cache, cross_cache in self.layers:
             if rows is not None and index.shape[0] != rows and cross_cache.k is not None:
                 cross_cache.select(_sources(index, rows // cross_cache.k.shape[0]))
@@ -67,12 +72,16 @@ class DecoderCache:
             sources = _sources(rows, static_self.k.shape[0] // static_cross.k.shape[0])
             new_cross.k, new_cross.v = static_cross.k[sources], static_cross.v[sources]
             new_cross.length = new_cross.k.shape[-2]
+        if self.source is not None:
+            rows_before = self.layers[0][0].k.shape[0] if self.layers else self.source.shape[0]
+            cache.source = self.source[_sources(rows, rows_before // self.source.shape[0])]
         cache.length = filled
         return cache
 
     def batched(self) -> list[Tensor]:
-        """The tensors it holds whose first dimension is the batch: every layer's keys and values."""
-        return [t for pair in self.layers for kv in pair for t in (kv.k, kv.v) if t is not None]
+        """The tensors it holds whose first dimension is the batch: every layer's keys and values, the source ids."""
+        held = [t for pair in self.layers for kv in pair for t in (kv.k, kv.v) if t is not None]
+        return held if self.source is None else [*held, self.source]
 
     @property
     def rows(self) -> int | None:

@@ -96,6 +96,8 @@ class TransformerConfig:
             summarizes with its first, ``<s>``; 0 leaves the windows alone).
         attention_backend: Attention kernel; ``auto`` picks the fastest that supports the configuration on
             the current device.
+        copy_attention: Mix a copy distribution over the source's tokens into the output (OpenNMT's copy
+            generator); needs one vocabulary for source and target, and ``cross_downsample`` 1.
         cross_downsample: Average-pool the encoder output by this factor before cross-attention (1 = off).
         activation_checkpointing: Recompute each layer's activations in the backward pass.
         tie_embeddings: Share the target embedding with the output projection (and with the source
@@ -150,6 +152,7 @@ class TransformerConfig:
     global_tokens: int = 1
     attention_backend: AttentionBackend = "auto"
     cross_downsample: int = 1
+    copy_attention: bool = False
     activation_checkpointing: bool = False
     tie_embeddings: bool = False
     share_source_embedding: bool | None = None
@@ -214,6 +217,9 @@ class TransformerConfig:
             )
         if self.cross_downsample < 1:
             raise ConfigError(f"cross_downsample must be >= 1 (1 = off), got {self.cross_downsample}")
+        if self.copy_attention and (self.cross_downsample != 1 or self.src_vocab_size != self.tgt_vocab_size):
+            raise ConfigError("copy_attention copies source tokens into the output: it needs one vocabulary for both "
+                              "and cross_downsample 1")  # fmt: skip
         if self.rope_scaling_factor < 1.0:
             raise ConfigError(f"rope_scaling_factor must be >= 1, got {self.rope_scaling_factor}")
         if self.rope_scaling is not None and self.position != "rope":

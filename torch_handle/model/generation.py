@@ -41,13 +41,16 @@ def greedy_search(
     c = model.config
     memory = model.encode(src) if memory is None else memory
     memory_padding = model.memory_padding(src)
+    source = src if c.copy_attention else None
     if decode is not None:
         check_owner(decode, model)
     if cuda_graph or decode is not None:
-        step = StaticDecoder(model, memory, memory_padding, max_new_tokens, graph=cuda_graph, decode=decode)
+        step = StaticDecoder(
+            model, memory, memory_padding, max_new_tokens, graph=cuda_graph, decode=decode, source=source
+        )
         handover = None if decode is None else (model, memory, memory_padding)
         return _static_greedy(step, model.config, max_new_tokens, all_done, handover, controls)
-    cache = model.new_cache(max_new_tokens)
+    cache = model.new_cache(max_new_tokens, source=source)
     out = torch.full((src.shape[0], max_new_tokens), c.pad_id, dtype=torch.long, device=src.device)
     rows = torch.arange(src.shape[0], device=src.device)  # the batch rows still decoding
     token = torch.full((src.shape[0], 1), c.bos_id, dtype=torch.long, device=src.device)

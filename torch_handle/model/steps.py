@@ -112,7 +112,9 @@ class CompiledDecode:
         # second length would otherwise compile every step again.
         for tensor in (token, memory, memory_padding, *cache.batched()):
             torch._dynamo.mark_static(tensor, 0)
-        lengths = [(memory, 1), (memory_padding, 1)] + [(t, 2) for _, cross in cache.layers for t in (cross.k, cross.v)]
+        lengths = [(memory, 1), (memory_padding, 1), (cache.source, 1)] + [
+            (t, 2) for _, cross in cache.layers for t in (cross.k, cross.v)
+        ]
         if cache.cross_spec is not None:
             if cache.cross_spec.key_padding is None:  # a batch without padding: the same step, not one of its own
                 cache.cross_spec = dataclasses.replace(cache.cross_spec, key_padding=memory_padding)
@@ -137,6 +139,7 @@ class StaticDecoder:
     weights must not change while a decoder is in use, and nothing in its forward pass may communicate.
     ``decode`` replaces ``model.decode`` in the step: a :class:`CompiledDecode` on a CPU. ``rows``: the decoder's
     rows, a multiple of ``memory``'s when groups of them share a memory row (beam search); ``memory``'s by default.
+    ``source``: the source ids, under ``copy_attention``.
     """
 
     def __init__(
@@ -148,8 +151,9 @@ class StaticDecoder:
         graph: bool,
         decode: Callable[..., Tensor] | None = None,
         rows: int | None = None,
+        source: Tensor | None = None,
     ) -> None:
-        self.cache = model.new_cache(capacity, memory_padding)
+        self.cache = model.new_cache(capacity, memory_padding, source)
         rows = memory.shape[0] if rows is None else rows
         assert rows % memory.shape[0] == 0, "each memory row serves a group of consecutive decoder rows"
         self.token = torch.full((rows, 1), model.config.bos_id, dtype=torch.long, device=memory.device)

@@ -11,6 +11,7 @@ from torch.utils.checkpoint import checkpoint
 
 from torch_handle.model.cache import DecoderCache
 from torch_handle.model.config import TransformerConfig
+from torch_handle.model.copy import CopyHead
 from torch_handle.model.kernels import check_backend
 from torch_handle.model.layers import DecoderLayer, EncoderLayer, make_norm
 from torch_handle.model.masks import (
@@ -26,7 +27,8 @@ from torch_handle.model.positions import alibi_slopes, relative_bias, rope_angle
 
 
 class Transformer(nn.Module):
-    """Encoder-decoder Transformer; ``forward(src, tgt)`` returns next-token logits ``(B, T, V)``.
+    """Encoder-decoder Transformer; ``forward(src, tgt)`` returns next-token logits ``(B, T, V)`` (log-probabilities
+    under ``copy_attention``, which the loss and the searches read alike).
 
     Sequences are right-padded with ``config.pad_id``; padding masks come from it.
     """
@@ -61,6 +63,8 @@ class Transformer(nn.Module):
         # ``final_norm`` is off (post-LN BART and Marian).
         self.encoder_norm = make_norm(config) if config.final_norm else nn.Identity()
         self.decoder_norm = make_norm(config) if config.final_norm else nn.Identity()
+        if config.copy_attention:
+            self.copy = CopyHead(d)
         self.reset_parameters()
 
     def tie_weights(self) -> None:
@@ -268,10 +272,20 @@ class Transformer(nn.Module):
             x = self._run(self.decoder_layers[i], x, memory, c.self_spec, c.cross_spec, c.rope, rows=c.rows)
         return x
 
-    def logits(self, x: Tensor, targets: Tensor | None = None) -> Tensor:
+    def logits(
+        self, x: Tensor, targets: Tensor | None = None, copy_from: tuple[Tensor, Tensor, Tensor] | None = None
+    ) -> Tensor:
         """Next-token logits ``(B, T, V)`` of the last decoder layer's output ``x (B, T, C)``; with ``targets``, a
-        ``(B, T)`` mask, those positions' only, ``(N, V)``: a loss that skips padding needs no logits there."""
-        x = self.decoder_norm(x if targets is None else x[targets])
+        ``(B, T)`` mask, those positions' only, ``(N, V)``: a loss that skips padding needs no logits there. Under
+        ``copy_attention``, the copy mixture's log-probabilities (``copy_from``: memory, its padding, source ids)."""
+        if not self.config.copy_attention:
+            return self._project(self.decoder_norm(x if targets is None else x[targets]))
+        if copy_from is None:
+            raise ValueError("copy_attention needs the source ids: pass decode(..., source=src) or a cache's")
+        out = self.copy(h := self.decoder_norm(x), self._project(h), *copy_from)
+        return out if targets is None else out[targets]
+
+    def _project(self, x: Tensor) -> Tensor:
         logits = self.lm_head(x * self.config.d_model**-0.5 if self.config.scale_decoder_output else x)
         return self.add_logits_bias(logits)
 
@@ -291,8 +305,11 @@ class Transformer(nn.Module):
         counts = keep.view(b, -1, r).sum(dim=2, keepdim=True).clamp(min=1)
         return sums / counts
 
-    def new_cache(self, capacity: int, memory_padding: Tensor | None = None) -> DecoderCache:
-        """An empty cache for decoding up to ``capacity`` target positions, one token per step.
+    def new_cache(
+        self, capacity: int, memory_padding: Tensor | None = None, source: Tensor | None = None
+    ) -> DecoderCache:
+        """An empty cache for decoding up to ``capacity`` target positions, one token per step; under
+        ``copy_attention`` it holds the ``source`` ids, a row per source (its beams share it).
 
         With the source's ``memory_padding`` the cache is static: every step attends over the whole capacity (the
         positions not yet written masked) and reads its position from a tensor, with no host synchronisation (the
@@ -300,8 +317,10 @@ class Transformer(nn.Module):
         compile it whole (:class:`torch_handle.model.steps.StaticDecoder`), attending over the positions
         written only (:meth:`DecoderCache.attend_written`).
         """
+        if self.config.copy_attention and source is None:
+            raise ValueError("copy_attention decodes with the source ids: pass new_cache(..., source=src)")
         if memory_padding is None:
-            return DecoderCache(len(self.decoder_layers), capacity)
+            return DecoderCache(len(self.decoder_layers), capacity, source=source)
         c = self.config
         name, most = self._target_limit()
         if most is not None and capacity > most:
@@ -310,7 +329,8 @@ class Transformer(nn.Module):
                 f"decode fewer tokens or raise {name}"
             )
         device = self.tgt_embed.weight.device
-        cache = DecoderCache(len(self.decoder_layers), capacity, torch.zeros(1, dtype=torch.long, device=device))
+        position = torch.zeros(1, dtype=torch.long, device=device)
+        cache = DecoderCache(len(self.decoder_layers), capacity, position, source)
         cache.rope = self._rope(0, capacity, device)
         # One spare key column, as the key buffers keep (see KVCache.append): a window never spans the whole table.
         cache.bias = self._relative(False, capacity, capacity + 1)
@@ -324,6 +344,7 @@ class Transformer(nn.Module):
         memory_padding: Tensor,
         cache: DecoderCache | None = None,
         targets: Tensor | None = None,
+        source: Tensor | None = None,
     ) -> Tensor:
         """Logits ``(B, T, V)`` for decoder inputs ``tgt (B, T)`` over ``memory``.
 
@@ -331,22 +352,27 @@ class Transformer(nn.Module):
         beams share its row, and cross-attention reads it once). With a ``cache``, ``tgt`` holds only the new tokens;
         their positions continue the cached ones, and
         cross-attention keys and values are computed once and kept (a static cache holds the source's padding mask
-        from :meth:`new_cache`, and ``memory_padding`` goes unread). Without one, ``targets`` (see :meth:`logits`)
-        keeps the logits of those positions only.
+        from :meth:`new_cache`, and only copy attention reads ``memory_padding``). Without one, ``targets`` (see
+        :meth:`logits`) keeps the logits of those positions only, and ``source`` holds ``copy_attention``'s ids.
         """
+        if cache is not None:
+            source = cache.source
+        copy_from = None if source is None else (memory, memory_padding, source)
         if cache is not None and cache.position is not None:
-            return self._decode_static(tgt, memory, cache)
+            return self._decode_static(tgt, memory, cache, copy_from)
         offset = 0 if cache is None else cache.length
         x = self.embed_target(tgt, offset)
         context = self.decoder_context(tgt, memory_padding, offset, cached=cache is not None)
         if cache is None:
-            return self.logits(self.run_decoder(x, memory, context), targets)
+            return self.logits(self.run_decoder(x, memory, context), targets, copy_from)
         for i, layer in enumerate(self.decoder_layers):
             x = layer(x, memory, context.self_spec, context.cross_spec, context.rope, cache.layers[i], cache.capacity)
         cache.length += tgt.shape[1]
-        return self.logits(x)
+        return self.logits(x, copy_from=copy_from)
 
-    def _decode_static(self, tgt: Tensor, memory: Tensor, cache: DecoderCache) -> Tensor:
+    def _decode_static(
+        self, tgt: Tensor, memory: Tensor, cache: DecoderCache, copy_from: tuple[Tensor, Tensor, Tensor] | None
+    ) -> Tensor:
         """:meth:`decode` of one token over a static cache: the keys past the position are masked as padding."""
         if tgt.shape[1] != 1:
             raise ValueError(f"a static cache decodes one token per step, got {tgt.shape[1]}")
@@ -364,9 +390,9 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.decoder_layers):
             x = layer(x, memory, self_spec, cross_spec, rope, cache.layers[i], cache.capacity)
         position.add_(1)
-        return self.logits(x)
+        return self.logits(x, copy_from=copy_from)
 
     def forward(self, src: Tensor, tgt: Tensor, targets: Tensor | None = None) -> Tensor:
         """Teacher-forced logits ``(B, T, tgt_vocab_size)`` for ``src (B, S)`` and decoder input ``tgt (B, T)``, or
         ``(N, tgt_vocab_size)`` at the ``N`` positions of the mask ``targets (B, T)`` (see :meth:`logits`)."""
-        return self.decode(tgt, self.encode(src), self.memory_padding(src), targets=targets)
+        return self.decode(tgt, self.encode(src), self.memory_padding(src), targets=targets, source=src)

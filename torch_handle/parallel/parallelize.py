@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh
 
+from torch_handle.errors import SetupError
 from torch_handle.model import Transformer, TransformerConfig
 from torch_handle.parallel.context import apply_context_parallel
 from torch_handle.parallel.float8 import apply_float8
@@ -68,6 +69,11 @@ def check_plan(config: TransformerConfig, plan: ParallelPlan) -> None:
     """Raises a one-line error when the mesh of ``plan`` cannot apply to a model of ``config``: the strategy asks as
     soon as it has laid its mesh out, before the run folder is made, and :func:`parallelize`'s steps ask again.
     (Context parallelism, which lays out its own mesh, is checked when the module is built.)"""
+    if config.copy_attention and (plan.pipeline_size > 1 or plan.tensor_parallel_size > 1):
+        raise SetupError(
+            "--model.transformer.copy_attention mixes its copy distribution over the whole vocabulary, beside the "
+            "encoder's output: train it with ddp, fsdp or deepspeed, not tensor or pipeline parallelism"
+        )
     if plan.pipeline_size > 1:
         check_pipeline_parallel(config, plan.pipeline_size, plan.pipeline)
     if plan.tensor_parallel_size > 1:

@@ -144,8 +144,13 @@ def hf_names(config: TransformerConfig) -> list[str]:
     return names
 
 
+# What fine-tuning adds to a pretrained model, left as initialized: the copy attention (``copy_attention``).
+FRESH = ("copy.",)
+
+
 def fill(model: Transformer, tensors: Iterable[tuple[str, Tensor]], where: str) -> None:
-    """Copy the Hugging Face ``tensors`` into ``model``'s parameters, checking each shape and that all are filled."""
+    """Copy the Hugging Face ``tensors`` into ``model``'s parameters, checking each shape and that all are filled
+    (but :data:`FRESH`'s)."""
     state = model.state_dict(keep_vars=True)
     packed = (".in_proj.", ".global_proj.")  # query, key and value: three tensors each
     parts = {id(t): 3 if any(p in n for p in packed) else 1 for n, t in state.items()}  # tied ones counted once
@@ -168,5 +173,7 @@ def fill(model: Transformer, tensors: Iterable[tuple[str, Tensor]], where: str) 
             dest.copy_(tensor)
             filled.setdefault(id(state[ours]), set()).add(0 if rows is None else rows.start)
     for ours, tensor in state.items():
+        if ours.startswith(FRESH):
+            continue
         if len(filled.get(id(tensor), ())) < parts[id(tensor)]:
             raise CheckpointError(f"{where}: no tensor fills {ours}: pass the whole folder of a supported model")

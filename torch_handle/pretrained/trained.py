@@ -28,6 +28,7 @@ from torch_handle.model import Transformer
 from torch_handle.model.config import TransformerConfig
 from torch_handle.pretrained import fill, is_pretrained_folder, pretrained_config
 from torch_handle.pretrained.hub import model_path
+from torch_handle.pretrained.layout import FRESH
 from torch_handle.pretrained.reader import read_weights
 
 KINDS = (
@@ -84,7 +85,10 @@ def init_weights(model: Transformer, init_from: str | Path) -> None:
     elif is_exported(path):
         fill_exported(model, path)
     else:
-        model.load_state_dict(read_trained(path)[0], strict=True)
+        state = read_trained(path)[0]
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if unexpected or any(not name.startswith(FRESH) for name in missing):
+            model.load_state_dict(state, strict=True)  # raises, naming them
 
 
 def init_tokenizer_path(init_from: str) -> str:

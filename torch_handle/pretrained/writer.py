@@ -61,6 +61,8 @@ _ARCHITECTURES = {
 
 def hf_family(config: TransformerConfig) -> tuple[str | None, str]:
     """The Hugging Face ``model_type`` that expresses ``config``; else None and one line naming the obstacle."""
+    if config.copy_attention:
+        return None, "copy_attention=True: no Hugging Face family has a copy distribution; export --format safetensors"
     if config.position == "relative":
         reason = t5.obstacle(config)
         return (None, reason) if reason else ("t5", "")
