@@ -151,9 +151,13 @@ def _weights(root: Path, name: str = "last.ckpt") -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_two_context_parallel_processes_train_as_one(documents: Path, tmp_path: Path) -> None:
-    """Without dropout, 4 steps on 2 processes that split every source end with one process's weights."""
+@pytest.mark.parametrize("copying", [False, True], ids=["plain", "copy_attention"])
+def test_two_context_parallel_processes_train_as_one(copying: bool, documents: Path, tmp_path: Path) -> None:
+    """Without dropout, 4 steps on 2 processes that split every source end with one process's weights; with copy
+    attention too, which reads the gathered encoder output."""
     no_dropout = ("--model.transformer.dropout", "0")
+    if copying:
+        no_dropout += ("--model.transformer.copy_attention", "true", "--model.transformer.cross_downsample", "1")
     check(cli(_cp_args(tmp_path / "one", documents, 1, *no_dropout)))
     check(cli(_cp_args(tmp_path / "two", documents, 2, *no_dropout)))
     want, got = _weights(tmp_path / "one"), _weights(tmp_path / "two")
