@@ -7,10 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_export import _good
 from test_model_invariances import BOS, EOS, PAD, VOCAB, _batch, _model
 from test_pretrained import TEXTS, _save
 
 from torch_handle.errors import SetupError
+from torch_handle.export import load_exported
 from torch_handle.model import CompiledDecode, ConfigError, TransformerConfig
 from torch_handle.model.generation import generate
 from torch_handle.module import Seq2SeqModule
@@ -155,3 +157,17 @@ def test_compiled_decoding_with_copy_equals_eager(num_beams: int) -> None:
     for batch in (src, src[:, :7]):
         expected = generate(model, batch, 12, num_beams)
         assert torch.equal(generate(model, batch, 12, num_beams, decode=compiled), expected)
+
+
+@pytest.mark.parametrize("kind", ["checkpoint", "export"])
+def test_init_from_our_model_fills_all_but_the_fresh_copy_head(kind: str, tmp_path: Path) -> None:
+    exported = _good(tmp_path / "model.safetensors")
+    source = exported if kind == "export" else exported.parent / "model.ckpt"
+    trained, tokenizer = load_exported(exported)
+    copying = TransformerConfig(copy_attention=True)
+    vocab = tokenizer.vocab_size
+    module = Seq2SeqModule(vocab_size=vocab, init_from=str(source), transformer=copying, max_new_tokens=8)
+    state = module.model.state_dict()
+    assert module.config.copy_attention and any(name.startswith("copy.") for name in state)
+    for name, tensor in trained.state_dict().items():
+        assert torch.equal(state[name], tensor), name

@@ -102,7 +102,7 @@ def test_init_from_reads_the_weights_once(kind: str, tmp_path: Path, monkeypatch
     monkeypatch.setattr(write, "_lightning_state", counted(write._lightning_state))
     monkeypatch.setattr(trained, "exported_weights", counted(trained.exported_weights))
     fill = trained.fill_exported  # an export is copied into the model a tensor at a time
-    monkeypatch.setattr(trained, "fill_exported", lambda model, p: reads.append(Path(p)) or fill(model, p))
+    monkeypatch.setattr(trained, "fill_exported", lambda m, p, *fresh: reads.append(Path(p)) or fill(m, p, *fresh))
     tokenizer = Tokenizer.from_file(trained.init_tokenizer_path(str(path)))
     model = Seq2SeqModule(vocab_size=tokenizer.vocab_size, max_new_tokens=8, init_from=str(path)).model
     assert reads == [path]

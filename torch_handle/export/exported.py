@@ -148,10 +148,11 @@ def empty_model(config: TransformerConfig) -> Transformer:
     return model
 
 
-def mismatches(shell: Transformer, shapes: dict[str, tuple[int, ...]]) -> str:
-    """How the tensor ``shapes`` of a file differ from the ``state_dict`` of ``shell`` ("" if they do not)."""
+def mismatches(shell: Transformer, shapes: dict[str, tuple[int, ...]], fresh: tuple[str, ...] = ()) -> str:
+    """How the tensor ``shapes`` of a file differ from the ``state_dict`` of ``shell`` ("" if they do not); tensors
+    whose names start with one of ``fresh`` may be missing."""
     expected = {name: tuple(t.shape) for name, t in shell.state_dict().items()}
-    problems = [f"missing {name}" for name in expected.keys() - shapes.keys()]
+    problems = [f"missing {name}" for name in expected.keys() - shapes.keys() if not name.startswith(fresh)]
     problems += [f"unexpected {name}" for name in shapes.keys() - expected.keys()]
     problems += [
         f"{name} has shape {list(shapes[name])}, the config needs {list(shape)}"
@@ -259,15 +260,16 @@ def load_exported(path: str | Path, attention_backend: str = "auto") -> tuple[Tr
     return model.eval(), tokenizer
 
 
-def fill_exported(model: Transformer, path: str | Path) -> None:
-    """Copy the export's tensors into ``model`` one tensor at a time, so the model plus one tensor is the peak.
+def fill_exported(model: Transformer, path: str | Path, fresh: tuple[str, ...] = ()) -> None:
+    """Copy the export's tensors into ``model`` one tensor at a time, so the model plus one tensor is the peak; those
+    whose names start with one of ``fresh`` may be absent, and keep their values.
 
     Raises:
         CheckpointError: the file's tensor names or shapes are not the model's; the message names them.
     """
     with safe_open(path, framework="pt") as f:
         shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
-    problems = mismatches(model, shapes)
+    problems = mismatches(model, shapes, fresh)
     if problems:
         raise CheckpointError(f"{path} does not fit the model ({problems}): pass an export of this architecture")
     state = model.state_dict()

@@ -72,9 +72,8 @@ class DecoderCache:
             sources = _sources(rows, static_self.k.shape[0] // static_cross.k.shape[0])
             new_cross.k, new_cross.v = static_cross.k[sources], static_cross.v[sources]
             new_cross.length = new_cross.k.shape[-2]
-        if self.source is not None:
-            rows_before = self.layers[0][0].k.shape[0] if self.layers else self.source.shape[0]
-            cache.source = self.source[_sources(rows, rows_before // self.source.shape[0])]
+        if self.source is not None and self.rows is not None:
+            cache.source = self.source[_sources(rows, self.rows // self.source.shape[0])]
         cache.length = filled
         return cache
 

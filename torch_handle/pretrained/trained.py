@@ -83,7 +83,7 @@ def init_weights(model: Transformer, init_from: str | Path) -> None:
     if is_pretrained_folder(path):
         fill(model, read_weights(path), str(path))
     elif is_exported(path):
-        fill_exported(model, path)
+        fill_exported(model, path, FRESH)
     else:
         state = read_trained(path)[0]
         missing, unexpected = model.load_state_dict(state, strict=False)
