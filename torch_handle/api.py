@@ -242,14 +242,15 @@ def load(
             weights frozen in, after a first call that compiles (seconds; again for a new batch size, not for new
             source lengths). What it gains: see benchmarks/RESULTS.md, section "`compile=True` on real
             sentences".
-        quantize: ``"int8"``: on a CPU, every linear of the model becomes a dynamic int8 one
-            (:mod:`torch_handle.quantize`), eager decoding only. What it gains and costs: see benchmarks/RESULTS.md,
-            section "int8 decoding".
+        quantize: ``"int8"``: on a CPU, every linear of the model becomes an int8 one (:mod:`torch_handle.quantize`),
+            eagerly and, with ``compile``, in the compiled step (``torchao``'s). What it gains and costs: see
+            benchmarks/RESULTS.md, section "int8 decoding".
 
     Raises:
         CheckpointError: ``path`` is missing, damaged, or not a model; the message names the file and the fix.
-        SetupError: ``device`` is a CUDA device and this machine has none, or ``compile`` with a CUDA device.
-        ValueError: ``quantize`` is not ``"int8"``, or comes with a device other than the CPU or ``compile``.
+        SetupError: ``device`` is a CUDA device and this machine has none, ``compile`` with a CUDA device, or
+            ``quantize`` with ``compile`` and no ``torchao``.
+        ValueError: ``quantize`` is not ``"int8"``, or comes with a device other than the CPU.
     """
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise SetupError(f"device={str(device)!r}, but this machine has no CUDA device: pass device='cpu'")

@@ -186,7 +186,8 @@ def _decode_child(
 
     figures: dict[str, Any] = {"agreement": agreement}
     modes = [("greedy", 1, {}), ("beam", s.beams, {})]
-    if impl == "ours" and device == "cpu" and compiled:  # torch_handle.load(..., compile=True): CPU only
+    # torch_handle.load(..., compile=True), on a CPU only: ours fp32 unless --quantize, ours int8 with it
+    if device == "cpu" and ((impl == "ours" and compiled) or impl == "ours-int8"):
         modes += [("greedy_compiled", 1, {"compiled": True}), ("beam_compiled", s.beams, {"compiled": True})]
     for name, beams, options in modes:
         if options and "peak" not in figures:  # the peak of eager decoding, before compiling's own memory
@@ -197,8 +198,10 @@ def _decode_child(
         lengths = sorted({len(row) for row in sentences})
         assert len(sentences) == s.sources and lengths == [s.new_tokens], f"{impl} {name}: lengths {lengths}"
         assert all(EOS not in row for row in sentences), f"{impl} {name}: EOS before the forced length"
-        if options:
+        if options and impl == "ours":
             assert sentences == decode(beams), f"{impl} {name}: not the eager sentences"
+        if name == "greedy_compiled" and impl == "ours-int8":  # its activations quantized per row, not per tensor
+            figures["agreement_compiled"] = sum(row == ref for row, ref in zip(sentences, reference, strict=True))
         wall, cpu = common.median_wall_and_cpu(lambda b=beams, o=options: decode(b, **o), repeats, warmup=1)
         figures[name] = {"wall": wall, "cpu": cpu, "length": lengths[0], "first": first}
     return {"peak": common.peak_rss_bytes() if impl.startswith("ct2") else _peak_bytes(device)} | figures
@@ -216,9 +219,11 @@ def _torch_decoder(impl: str, s: Sizes, src: Any, device: str) -> Callable[..., 
 
         model = our_model(s).to(device).eval()
         eager = model
-        if device == "cpu":  # as load() lays out a model that decodes eagerly on a CPU; compiled, it keeps the trained
+        if device == "cpu" and impl == "ours-int8":  # as load(..., quantize="int8", compile=True) makes it
+            quantize(model, "int8", compile=True)
+        elif device == "cpu":  # as load() lays out a model decoding eagerly on a CPU; compiled, it keeps the trained
             eager = copy.deepcopy(model)
-            quantize(eager, "int8") if impl == "ours-int8" else cpu_decoding_layout(eager)
+            cpu_decoding_layout(eager)
         compiled_step: list[CompiledDecode] = []  # made at the first compiled call
 
         def decode(beams: int, compiled: bool = False) -> list[list[int]]:

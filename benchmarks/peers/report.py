@@ -102,9 +102,23 @@ def int8_table(runs: dict[str, dict[str, list[dict]]], s: Sizes) -> tuple[list[s
         ratio = speed["ours-int8"] / speed["ct2-int8"]
         cells = [f"{speed[i]:.1f}" for i in INT8] + [f"{speed['ours-int8'] / speed['ours']:.2f}", f"{ratio:.2f}"]
         rows.append([f"{label} decoding, sentences/s (wall)", *cells, _goal(ratio, ">=", 0.8, "CT2 int8")])
+    int8 = decode["ours-int8"]
+    if "greedy_compiled" in int8[0]:
+        for name, label in (("greedy", "greedy"), ("beam", f"beam {s.beams}")):
+            speed = {i: s.sources / _pooled(decode[i], name, "wall") for i in INT8}
+            compiled = s.sources / _pooled(int8, f"{name}_compiled", "wall")
+            ratio = compiled / speed["ct2-int8"]
+            cells = ["-", f"{compiled:.1f}", "-", "-", f"{compiled / speed['ours']:.2f}", f"{ratio:.2f}"]
+            label = f'ours int8 compiled (`load(..., quantize="int8", compile=True)`): {label}, sentences/s (wall)'
+            rows.append([label, *cells, _goal(ratio, ">=", 0.8, "CT2 int8")])
+        first = [max(run[f"{name}_compiled"]["first"] for run in int8) for name in ("greedy", "beam")]
+        label = "ours int8 compiled: its first call, compiling included, greedy / beam (s)"
+        rows.append([label, "-", f"{first[0]:.1f} / {first[1]:.1f}"])
     lengths = {i: {f"{run['greedy']['length']} / {run['beam']['length']}" for run in decode[i]} for i in INT8}
     rows.append(["tokens generated per sentence, greedy / beam", *(" or ".join(sorted(lengths[i])) for i in INT8)])
     agreement = [f"{decode[i][0]['agreement']}/{s.sources}" if i != "ours" else "-" for i in INT8]
+    if "agreement_compiled" in int8[0]:
+        agreement[1] += f" (compiled: {int8[0]['agreement_compiled']}/{s.sources})"
     rows.append(["greedy sentences identical to ours fp32", *agreement])
     rows.append(["decoding peak RSS (MiB)", *(f"{_peak(decode[i]):,.0f}" for i in INT8)])
     return header, [row + ["-"] * (len(header) - len(row)) for row in rows]
@@ -126,8 +140,9 @@ def int8_section(
             f"bench_peers' model and sources (d_model {s.d_model}, {s.layers}+{s.layers} layers, vocabulary {s.vocab}, "
             f"fresh weights; {s.sources} sources of {s.source_len} tokens, exactly {s.new_tokens} tokens generated), "
             "decoding only, every implementation eager in a child of its own, alternating the order: ours fp32 "
-            'with column-major weights as `load` lays them out, ours int8 as `load(..., quantize="int8")` makes it '
-            "(`torch.ao` dynamic int8 linears, one scale per weight row), CTranslate2 `compute_type='float32' | "
+            'with column-major weights as `load` lays them out, ours int8 as `load(..., quantize="int8", '
+            "compile=True)` makes it (eagerly `torch.ao`'s dynamic int8 linears, one scale per weight row; compiled, "
+            "`torchao`'s int8 weights in the step Inductor compiles), CTranslate2 `compute_type='float32' | "
             f"'int8'` on the same weights; median of {args.repeats} calls after one untimed call, pooled over "
             f"{args.rounds} rounds.",
             common.markdown_table(header, rows),
