@@ -94,6 +94,14 @@ def test_quantize_int8_dry_run_times_ours_int8_against_ctranslate2_int8() -> Non
         row = _row(run.stdout, label)
         assert all(float(row[impl]) > 0 for impl in impls) and float(row["ours int8 / CT2 int8"]) >= 0, row
         assert row["goal"].startswith(">= 0.8x CT2 int8: "), row
+    for label in (
+        'ours int8 compiled (`load(..., quantize="int8", compile=True)`): greedy',
+        'ours int8 compiled (`load(..., quantize="int8", compile=True)`): beam 5',
+    ):
+        row = _row(run.stdout, label)
+        assert float(row["ours int8"]) > 0 and float(row["ours int8 / CT2 int8"]) >= 0, row
+        assert row["goal"].startswith(">= 0.8x CT2 int8: "), row
     assert [_row(run.stdout, "tokens generated per sentence")[impl] for impl in impls] == ["6 / 6"] * 4
-    # At the dry run's size, int8 rounding leaves the greedy sentences of our fresh weights as fp32's.
-    assert _row(run.stdout, "greedy sentences identical to ours fp32")["ours int8"] == "3/3", run.stdout
+    # At the dry run's size, int8 rounding leaves the greedy sentences of our fresh weights as fp32's, compiled too.
+    agreement = _row(run.stdout, "greedy sentences identical to ours fp32")["ours int8"]
+    assert agreement == "3/3 (compiled: 3/3)", run.stdout
