@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -12,7 +14,7 @@ from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
 import torch_handle
 from tests.helpers import pretrained_folder
 from torch_handle.errors import SetupError
-from torch_handle.model import generate
+from torch_handle.model import CompiledDecode, Transformer, generate
 from torch_handle.model.steps import StaticDecoder
 from torch_handle.quantize import STEP, Int8Attention, Int8Linear, quantize
 
@@ -97,34 +99,56 @@ def test_int8_for_a_compiled_step_holds_the_step_linears_twice_and_decodes_eager
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("family", ["demo", "bart", "t5", "led"])
+@pytest.mark.parametrize("family", ["demo", "bart", "t5", "led", "copy"])
 def test_int8_compiled_step_is_as_close_to_fp32_as_eager_int8(family: str, tiny_demo_run: Path) -> None:
-    # load(..., quantize="int8", compile=True): the step compiled with torchao's int8 weights, activations quantized
-    # per row. Teacher-forced, its logits are as close to fp32's as eager int8's (FBGEMM's, per tensor), within 3% of
-    # their range (T5 v1.1's random weights the farthest). The trained demo model translates as fp32 does, greedy and
-    # beam, its rows finishing apart: the batch hands over to the eager FBGEMM linears.
-    path = tiny_demo_run if family == "demo" else pretrained_folder(family)
-    fp32, eager = torch_handle.load(path), torch_handle.load(path, quantize="int8")
-    compiled = torch_handle.load(path, quantize="int8", compile=True)
-    src = _sources(fp32)
-    c = fp32.model.config
+    # quantize(..., compile=True) under CompiledDecode: the step compiled with torchao's int8 weights, activations
+    # quantized per row, not FBGEMM's (its logits differ from the eager step's). Teacher-forced, they are as close to
+    # fp32's as eager int8's, within 3% of their range (T5 v1.1's random weights the farthest). "copy": the demo model
+    # with a fresh copy head (copy_attention), whose two linears are in the step too.
+    path = tiny_demo_run if family in ("demo", "copy") else pretrained_folder(family)
+    loaded = torch_handle.load(path)
+    fp32 = loaded.model
+    if family == "copy":
+        fp32 = Transformer(dataclasses.replace(fp32.config, copy_attention=True)).eval()
+        fp32.load_state_dict(loaded.model.state_dict(), strict=False)
+    eager, compiled = copy.deepcopy(fp32), copy.deepcopy(fp32)
+    quantize(eager, "int8")
+    quantize(compiled, "int8", compile=True)
+    src = _sources(loaded)
+    c = fp32.config
     tgt = torch.cat([torch.full((3, 1), c.bos_id), torch.randint(3, c.tgt_vocab_size, (3, 7))], 1)  # decoder input
-    memory, padding = fp32.model.encode(src), fp32.model.memory_padding(src)
-    assert compiled._decode is not None
-    static = StaticDecoder(compiled.model, compiled.model.encode(src), padding, 8, graph=False, decode=compiled._decode)
-    cache = fp32.model.new_cache(8)
+    memory, padding = fp32.encode(src), fp32.memory_padding(src)
+    source = src if c.copy_attention else None
+    steps = {}  # teacher-forced logits, a step at a time: FBGEMM quantizes each call's rows with one scale
+    for name, model, decode in (
+        ("eager", eager, None),
+        ("held twice, eager", compiled, None),
+        ("compiled", compiled, CompiledDecode(compiled)),
+    ):
+        static = StaticDecoder(model, model.encode(src), padding, 8, graph=False, decode=decode, source=source)
+        with torch.no_grad():
+            steps[name] = torch.cat([static(tgt[:, i : i + 1]) for i in range(tgt.shape[1])], 1)
+    cache = fp32.new_cache(8, source=source)
     with torch.no_grad():
-        reference = fp32.model(src, tgt)
-        steps = [static(tgt[:, i : i + 1]) for i in range(tgt.shape[1])]
-        expected = torch.cat([fp32.model.decode(tgt[:, i : i + 1], memory, padding, cache) for i in range(8)], 1)
+        reference = fp32(src, tgt)
+        expected = torch.cat([fp32.decode(tgt[:, i : i + 1], memory, padding, cache) for i in range(8)], 1)
         torch.testing.assert_close(expected, reference, atol=1e-4, rtol=1e-4)  # the step's reference is fp32's
         scale = reference.max() - reference.min()
-        eager_error = (eager.model(src, tgt) - reference).abs().max() / scale
-        compiled_error = (torch.cat(steps, 1) - reference).abs().max() / scale
+        eager_error = (steps["eager"] - reference).abs().max() / scale
+        compiled_error = (steps["compiled"] - reference).abs().max() / scale
+    assert torch.equal(steps["held twice, eager"], steps["eager"])  # eagerly: FBGEMM's linears
+    assert not torch.allclose(steps["compiled"], steps["eager"], atol=1e-4)  # compiled: torchao's
     assert compiled_error <= min(eager_error + 0.005, 0.03), (compiled_error, eager_error)
-    if family == "demo":
-        for beams in (1, 3):
-            assert compiled.translate(SENTENCES, num_beams=beams) == fp32.translate(SENTENCES, num_beams=beams)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_int8_compiled_translates_as_fp32_greedy_and_beam(tiny_demo_run: Path, models: tuple) -> None:
+    fp32, _ = models
+    compiled = torch_handle.load(tiny_demo_run, quantize="int8", compile=True)
+    assert compiled._decode is not None
+    for beams in (1, 3):
+        assert compiled.translate(SENTENCES, num_beams=beams) == fp32.translate(SENTENCES, num_beams=beams)
 
 
 def _sources(model: torch_handle.api.Model) -> torch.Tensor:

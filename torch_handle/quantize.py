@@ -103,7 +103,7 @@ def _compiled_int8(linear: nn.Linear) -> nn.Linear:
     from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
 
     linear = copy.deepcopy(linear)
-    quantize_(linear, Int8DynamicActivationInt8WeightConfig())
+    quantize_(linear, Int8DynamicActivationInt8WeightConfig(set_inductor_config=False))  # leaves Inductor's settings
     return linear
 
 
