@@ -292,7 +292,7 @@ def test_compile_decodes_greedy_and_beam_search_as_eager_decoding_does(
     monkeypatch.setattr(
         CompiledDecode,
         "__call__",
-        lambda self, token, *rest: steps.append((rest[-1], len(token))) or step(self, token, *rest),
+        lambda self, token, *rest, **kw: steps.append((rest[-1], len(token))) or step(self, token, *rest, **kw),
     )
     eager, compiled = torch_handle.load(exported), torch_handle.load(exported, compile=True)
     # Batches of 3 sorted by length, the last of one sentence, filled to 3 rows: one batch size to compile for.

@@ -15,7 +15,7 @@ from torch import Tensor
 from torch_handle.model import CompiledDecode, Transformer
 from torch_handle.model.beam import beam_search
 from torch_handle.model.generation import generate, greedy_search
-from torch_handle.model.steps import StaticDecoder, cpu_decoding_layout
+from torch_handle.model.steps import Head, StaticDecoder, beam_scores, cpu_decoding_layout, greedy_token
 from torch_handle.model.transformer import DecoderCache
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -188,11 +188,25 @@ class _EagerStep:
     def __init__(self, model: Transformer) -> None:
         self.model = model
         self.calls = 0
+        self.heads: list[Head | None] = []
 
-    def __call__(self, token: Tensor, memory: Tensor, memory_padding: Tensor, cache: Any) -> Tensor:
+    def check(self, model: Transformer) -> None:
+        assert model is self.model
+
+    def __call__(
+        self,
+        token: Tensor,
+        memory: Tensor,
+        memory_padding: Tensor,
+        cache: Any,
+        head: Head | None = None,
+        head_args: tuple[Tensor, ...] = (),
+    ) -> Tensor:
         assert cache.position is not None, "the step runs over a static cache"
         self.calls += 1
-        return self.model.decode(token, memory, memory_padding, cache)
+        self.heads.append(head)
+        logits = self.model.decode(token, memory, memory_padding, cache)
+        return logits if head is None else head(logits, self.model.config, *head_args)
 
 
 class _CountingDecode(CompiledDecode):
@@ -200,9 +214,9 @@ class _CountingDecode(CompiledDecode):
         super().__init__(model)
         self.calls = 0
 
-    def __call__(self, *args: Any) -> Tensor:
+    def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
         self.calls += 1
-        return super().__call__(*args)
+        return super().__call__(*args, **kwargs)
 
 
 def _sources_ending_apart(model: Transformer, num_beams: int, steps: int, handover: bool = False) -> Tensor:
@@ -268,6 +282,23 @@ def test_static_beam_search_equals_beam_search_and_hands_over_once_half_the_sour
         handover = _handover_step(eager_rows, len(src), num_beams)
         assert step.calls == handover < len(eager_rows), (eager_rows, handover)
         assert rows == [len(src) * num_beams] * handover + eager_rows[handover:]
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+@torch.no_grad()
+def test_a_compiled_step_picks_what_the_search_picks_from_logits_forced_tokens_included(num_beams: int) -> None:
+    # Without decoding controls the compiled step computes greedy's token (greedy_token) or beam search's candidate
+    # scores (beam_scores) itself; the search forces BOS first and EOS last over them as it does over logits.
+    torch.manual_seed(0)
+    for forced in ({}, {"forced_bos_id": 5, "forced_eos_id": EOS}):
+        model = _model(attention_backend="sdpa", tie_embeddings=False, **forced)
+        src, _ = _batch()
+        step = _EagerStep(model)
+        out = generate(model, src, 9, num_beams, decode=step)
+        assert torch.equal(out, generate(model, src, 9, num_beams)), forced
+        assert set(step.heads) == {greedy_token if num_beams == 1 else beam_scores}, step.heads
+        if forced:
+            assert (out[:, 0] == 5).all() and out.shape[1] == 9 and (out[:, -1] == EOS).all(), out
 
 
 def _decoded_rows(model: Transformer, *args: Any, **kwargs: Any) -> tuple[Tensor, list[int]]:

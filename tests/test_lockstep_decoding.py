@@ -296,7 +296,7 @@ def _decode_options(path: str, model: Transformer, monkeypatch: pytest.MonkeyPat
     if path == "static":
         return {"cuda_graph": True}  # off CUDA the static cache's step runs eagerly
     if path == "compiled":  # the compiled step's search logic, without Inductor's compile time: the step runs eagerly
-        monkeypatch.setattr(torch, "compile", lambda fn: fn)
+        monkeypatch.setattr(torch, "compile", lambda fn, **_: fn)
         return {"decode": CompiledDecode(model)}
     return {}
 

@@ -9,7 +9,14 @@ import torch
 from torch import Tensor
 
 from torch_handle.model.logits import StepControls
-from torch_handle.model.steps import CompiledDecode, StaticDecoder, check_owner, force_token, next_token_log_probs
+from torch_handle.model.steps import (
+    CompiledDecode,
+    StaticDecoder,
+    beam_scores,
+    force_token,
+    forced_id,
+    next_token_log_probs,
+)
 from torch_handle.model.transformer import Transformer
 
 
@@ -43,10 +50,19 @@ def beam_search(
     source = src if c.copy_attention else None
     static = None
     if decode is not None:
-        check_owner(decode, model)
+        decode.check(model)
     if decode is not None or cuda_graph:
+        head = beam_scores if decode is not None and controls is None else None  # computed in the compiled step
         static = StaticDecoder(
-            model, memory, memory_padding, max_new_tokens, graph=cuda_graph, decode=decode, rows=b * k, source=source
+            model,
+            memory,
+            memory_padding,
+            max_new_tokens,
+            graph=cuda_graph,
+            decode=decode,
+            rows=b * k,
+            source=source,
+            head=head,
         )
     cache = model.new_cache(max_new_tokens, source=source) if static is None else static.cache
     tokens = torch.full((b * k, 1), c.bos_id, dtype=torch.long, device=src.device)
@@ -64,16 +80,23 @@ def beam_search(
 
     for step in range(max_new_tokens):
         n = len(active)
-        if static is None:
-            logits = model.decode(tokens[:, -1:], memory, memory_padding, cache)
+        if static is not None and static.head is not None:  # beam_scores, then the forced token where one is
+            total = static(tokens[:, -1:].contiguous(), scores)  # a fixed stride, or the compiled step recompiles
+            vocab, forced = total.shape[-1] // k, forced_id(c, step, max_new_tokens)
+            if forced is not None:
+                total = torch.full_like(total, float("-inf"))
+                total.view(n, k, vocab)[:, :, forced] = scores
         else:
-            logits = static(tokens[:, -1:].contiguous())  # a fixed stride, or the compiled step recompiles
-        logp = next_token_log_probs(logits, c)  # (n*K, V)
-        if controls is not None:
-            logp = controls.beam(logp, tokens)
-        logp = force_token(logp, c, step, max_new_tokens)
-        vocab = logp.shape[-1]
-        total = (logp.view(n, k, vocab) + scores[..., None]).view(n, k * vocab)
+            if static is None:
+                logits = model.decode(tokens[:, -1:], memory, memory_padding, cache)
+            else:
+                logits = static(tokens[:, -1:].contiguous())
+            logp = next_token_log_probs(logits, c)  # (n*K, V)
+            if controls is not None:
+                logp = controls.beam(logp, tokens)
+            logp = force_token(logp, c, step, max_new_tokens)
+            vocab = logp.shape[-1]
+            total = (logp.view(n, k, vocab) + scores[..., None]).view(n, k * vocab)
         if controls is None:
             top_scores, top_ids = total.topk(2 * k, dim=-1)  # (n, 2K)
         else:

@@ -16,7 +16,14 @@ from torch_handle.model.beam import beam_search
 from torch_handle.model.config import TransformerConfig
 from torch_handle.model.kernels import decoding_kernels
 from torch_handle.model.logits import DecodingControls, StepControls
-from torch_handle.model.steps import CompiledDecode, StaticDecoder, check_owner, force_token, next_token_logits
+from torch_handle.model.steps import (
+    CompiledDecode,
+    StaticDecoder,
+    force_token,
+    forced_id,
+    greedy_token,
+    next_token_logits,
+)
 from torch_handle.model.transformer import DecoderCache, Transformer
 
 
@@ -43,10 +50,11 @@ def greedy_search(
     memory_padding = model.memory_padding(src)
     source = src if c.copy_attention else None
     if decode is not None:
-        check_owner(decode, model)
+        decode.check(model)
     if cuda_graph or decode is not None:
+        head = greedy_token if decode is not None and controls is None else None  # the compiled step picks it too
         step = StaticDecoder(
-            model, memory, memory_padding, max_new_tokens, graph=cuda_graph, decode=decode, source=source
+            model, memory, memory_padding, max_new_tokens, graph=cuda_graph, decode=decode, source=source, head=head
         )
         handover = None if decode is None else (model, memory, memory_padding)
         return _static_greedy(step, model.config, max_new_tokens, all_done, handover, controls)
@@ -106,11 +114,14 @@ def _static_greedy(
     out = torch.full((token.shape[0], max_new_tokens), c.pad_id, dtype=torch.long, device=token.device)
     finished = torch.zeros(token.shape[0], dtype=torch.bool, device=token.device)
     for i in range(max_new_tokens):
-        logits = next_token_logits(step(token), c)
-        if controls is not None:
-            logits = controls.greedy(logits, out, None, i)
-        logits = force_token(logits, c, i, max_new_tokens)
-        token = logits.max(dim=-1, keepdim=True).indices
+        if step.head is not None:  # greedy_token's, then the forced token where one is
+            token, forced = step(token), forced_id(c, i, max_new_tokens)
+            token = token if forced is None else torch.full_like(token, forced)
+        else:
+            logits = next_token_logits(step(token), c)
+            if controls is not None:
+                logits = controls.greedy(logits, out, None, i)
+            token = force_token(logits, c, i, max_new_tokens).max(dim=-1, keepdim=True).indices
         out[:, i] = token[:, 0].masked_fill(finished, c.pad_id)
         finished |= token[:, 0] == c.eos_id
         if all_done(bool(finished.all())):
