@@ -76,8 +76,8 @@ class KVCache:
         moved = (index != torch.arange(index.shape[0], device=index.device)).nonzero().squeeze(1)
         if moved.numel():
             source = index[moved]
-            self.k[moved, :, :end] = self.k[source, :, :end]
-            self.v[moved, :, :end] = self.v[source, :, :end]
+            for held in (self.k[:, :, :end], self.v[:, :, :end]):  # index_copy_ moves rows faster than index_put_
+                held.index_copy_(0, moved, held.index_select(0, source))
 
 
 class MultiHeadAttention(nn.Module):
