@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import torch
@@ -30,13 +31,22 @@ def cpu_decoding_layout(model: nn.Module) -> None:
             module.weight.data = module.weight.data.t().contiguous().t()
 
 
+def rule_out(scores: Tensor, ids: list[int]) -> Tensor:
+    """``scores (B, V)`` with the tokens ``ids`` at -inf: in place eagerly. Compiled, a few ids are one elementwise
+    mask, which Inductor fuses into the kernel that makes the scores, where an indexed write copies them first."""
+    if not ids:
+        return scores
+    if not torch.compiler.is_compiling() or len(ids) > 8:
+        scores[:, ids] = float("-inf")
+        return scores
+    vocab = torch.arange(scores.shape[-1], device=scores.device)
+    return scores.masked_fill(functools.reduce(torch.logical_or, [vocab == i for i in ids]), float("-inf"))
+
+
 def next_token_logits(logits: Tensor, config: TransformerConfig) -> Tensor:
     """Last-position logits ``(B, V)``, the tokens never generated ruled out (by default padding and BOS), as
     ``bad_words_ids`` rules them out in ``transformers``' greedy search and sampling, before the decoding controls."""
-    logits = logits[:, -1].float()
-    if config.suppressed:
-        logits[:, config.suppressed] = float("-inf")
-    return logits
+    return rule_out(logits[:, -1].float(), config.suppressed)
 
 
 def next_token_log_probs(logits: Tensor, config: TransformerConfig) -> Tensor:
@@ -46,10 +56,7 @@ def next_token_log_probs(logits: Tensor, config: TransformerConfig) -> Tensor:
     export's output bias rules them out."""
     if config.suppress_ids is None:
         return torch.log_softmax(next_token_logits(logits, config), dim=-1)
-    log_probs = torch.log_softmax(logits[:, -1].float(), dim=-1)
-    if config.suppress_ids:
-        log_probs[:, config.suppress_ids] = float("-inf")
-    return log_probs
+    return rule_out(torch.log_softmax(logits[:, -1].float(), dim=-1), config.suppress_ids)
 
 
 def forced_id(config: TransformerConfig, step: int, steps: int) -> int | None:
