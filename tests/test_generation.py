@@ -15,7 +15,7 @@ from torch import Tensor
 from torch_handle.model import CompiledDecode, Transformer
 from torch_handle.model.beam import beam_search
 from torch_handle.model.generation import generate, greedy_search
-from torch_handle.model.steps import Head, StaticDecoder, beam_scores, cpu_decoding_layout, greedy_token
+from torch_handle.model.steps import Head, StaticDecoder, beam_scores, cpu_decoding_layout, greedy_token, rule_out
 from torch_handle.model.transformer import DecoderCache
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -297,8 +297,24 @@ def test_a_compiled_step_picks_what_the_search_picks_from_logits_forced_tokens_i
         out = generate(model, src, 9, num_beams, decode=step)
         assert torch.equal(out, generate(model, src, 9, num_beams)), forced
         assert set(step.heads) == {greedy_token if num_beams == 1 else beam_scores}, step.heads
+        # Off CUDA a CUDA graph is not captured: the compiled step runs, head included.
+        assert torch.equal(generate(model, src, 9, num_beams, decode=step, cuda_graph=True), out)
         if forced:
             assert (out[:, 0] == 5).all() and out.shape[1] == 9 and (out[:, -1] == EOS).all(), out
+
+
+def test_ruling_tokens_out_by_mask_equals_the_indexed_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Compiled, a few valid ids become an elementwise mask; others (negative, too many) take the indexed write.
+    scores = torch.randn(3, 11)
+    expected = {}
+    for ids in ([0, 1], [4, 4, 10], [-1], list(range(9))):
+        expected[tuple(ids)] = rule_out(scores.clone(), ids)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    for ids, out in expected.items():
+        assert torch.equal(rule_out(scores.clone(), list(ids)), out), ids
+        assert torch.isinf(out[:, list(ids)]).all() and torch.isfinite(out).sum() == 3 * (
+            11 - len(set(i % 11 for i in ids))
+        )
 
 
 def _decoded_rows(model: Transformer, *args: Any, **kwargs: Any) -> tuple[Tensor, list[int]]:

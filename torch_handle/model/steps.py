@@ -36,7 +36,7 @@ def rule_out(scores: Tensor, ids: list[int]) -> Tensor:
     mask, which Inductor fuses into the kernel that makes the scores, where an indexed write copies them first."""
     if not ids:
         return scores
-    if not torch.compiler.is_compiling() or len(ids) > 8:
+    if not torch.compiler.is_compiling() or len(ids) > 8 or not all(0 <= i < scores.shape[-1] for i in ids):
         scores[:, ids] = float("-inf")
         return scores
     vocab = torch.arange(scores.shape[-1], device=scores.device)
@@ -105,7 +105,8 @@ class CompiledDecode:
     sections "bench_peers: ours vs Hugging Face BART / Marian and CTranslate2", "`compile=True` on real sentences"
     and "int8 decoding".
 
-    What it costs: each batch size compiles two steps (the first, which fills the cache, and the rest; seconds each);
+    What it costs: each batch size compiles two steps (the first, which fills the cache, and the rest; seconds each),
+    for each head it runs (decoding controls run none);
     source lengths are dynamic from the first call, so a new one compiles nothing. Up to 32 compiled steps are
     kept (torch's default keeps 8, then decodes eagerly). Frozen weights cannot follow the model's: a decoding started
     after a parameter or buffer changed in place raises (:meth:`check`) instead of decoding with the old ones (a
@@ -219,8 +220,8 @@ class StaticDecoder:
         rows = memory.shape[0] if rows is None else rows
         assert rows % memory.shape[0] == 0, "each memory row serves a group of consecutive decoder rows"
         self.token = torch.full((rows, 1), model.config.bos_id, dtype=torch.long, device=memory.device)
-        if head is not None and (decode is None or graph):
-            raise ValueError("StaticDecoder runs a head in a compiled step only: pass decode, not graph")
+        if head is not None and (decode is None or (graph and memory.is_cuda)):
+            raise ValueError("StaticDecoder runs a head in a compiled step only: pass decode, not a CUDA graph")
         decode = model.decode if decode is None else decode
         self.head = head
 
