@@ -130,20 +130,32 @@ def test_static_greedy_equals_greedy_where_rows_finish_at_different_steps(positi
 @pytest.mark.slow
 @torch.no_grad()
 def test_compiled_greedy_equals_greedy_for_new_source_lengths_and_batch_sizes() -> None:
-    # CompiledDecode (torch_handle.load(..., compile=True)): Inductor with the weights frozen in; source lengths are
-    # dynamic from the first call and a batch without padding takes the same step (neither compiles anything), a new
-    # batch size compiles steps of its own. Rows end at different steps.
-    from torch._dynamo.utils import counters
-
+    # CompiledDecode (torch_handle.load(..., compile=True)): AOTInductor with the weights frozen in; source lengths
+    # are dynamic and a batch without padding takes the same step (neither compiles anything), a new batch size
+    # compiles steps of its own (the first and the rest). Rows end at different steps.
     model = _model(attention_backend="sdpa", tie_embeddings=False)
     src = _sources_ending_apart(model, 1, 12)
     compiled = CompiledDecode(model)
     unpadded = torch.randint(3, VOCAB, (src.shape[0], 7))
-    for batch in (src, src[:, :9], src[:, :4], unpadded, src[:5], src):
-        frames = counters["frames"]["ok"]
+    for batch, steps in ((src, 2), (src[:, :9], 2), (src[:, :4], 2), (unpadded, 2), (src[:5], 4), (src, 4)):
         assert torch.equal(generate(model, batch, 12, decode=compiled), generate(model, batch, 12)), batch.shape
-        if batch.shape[0] == src.shape[0] and batch is not src:  # a length met first: nothing compiled
-            assert counters["frames"]["ok"] == frames, batch.shape
+        assert compiled.compiled == steps, batch.shape
+    # The compiled code reads its inputs with the strides it was exported with: a memory laid out otherwise is copied.
+    memory = model.encode(src).transpose(0, 1).contiguous().transpose(0, 1)
+    assert torch.equal(generate(model, src, 12, memory=memory, decode=compiled), generate(model, src, 12))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("position", [p for p in POSITIONS if p != "sinusoidal"])
+@torch.no_grad()
+def test_compiled_decoding_equals_eager_decoding_for_every_position_scheme(position: str) -> None:
+    # Each scheme puts tensors of its own in the static cache (RoPE angles, the relative bias) or in the model (ALiBi
+    # slopes, learned positions): the exported step takes the first as inputs and freezes the second in.
+    model = _model(position=position, attention_backend="sdpa", tie_embeddings=False)
+    src = _sources_ending_apart(model, 1, 12)
+    compiled = CompiledDecode(model)
+    for beams in (1, 3):
+        assert torch.equal(generate(model, src, 12, beams, decode=compiled), generate(model, src, 12, beams)), beams
 
 
 @pytest.mark.slow

@@ -238,8 +238,8 @@ def load(
         device: Where to decode: ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ... On a GPU greedy decoding and beam search
             replay each step as a CUDA graph (see benchmarks/RESULTS.md, section "bench_peers on a GPU").
         attention_backend: The attention kernel on this machine (``auto`` picks one).
-        compile: On a CPU, greedy and beam-search decoding run a step compiled by ``torch.compile`` with the
-            weights frozen in, after a first call that compiles (seconds; again for a new batch size, not for new
+        compile: On a CPU, greedy and beam-search decoding run a step compiled ahead of time by AOTInductor with
+            the weights frozen in, after a first call that compiles (seconds; again for a new batch size, not for new
             source lengths). What it gains: see benchmarks/RESULTS.md, section "`compile=True` on real
             sentences".
         quantize: ``"int8"``: on a CPU, every linear of the model becomes an int8 one (:mod:`torch_handle.quantize`),

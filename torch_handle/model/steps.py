@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -92,45 +94,41 @@ Head = Callable[..., Tensor]  # greedy_token or beam_scores: (logits, config, *t
 
 
 class CompiledDecode:
-    """``model.decode`` compiled by Inductor with the weights frozen into it, for decoding on a CPU.
+    """``model.decode`` compiled ahead of time by AOTInductor with the weights frozen in, for decoding on a CPU.
 
-    Freezing folds the weights into the compiled code as constants, packed once for MKL's matrix products: at
-    decoding's few rows per step those products are most of the time. Inductor's C++ wrapper calls the step's kernels
-    without Python in between, and it keeps a small elementwise result (an int8 linear's dequantized output, say) in
-    a buffer rather than recomputing it inside each loop that reads it. The step attends over the positions written
-    only (:meth:`DecoderCache.attend_written`, a dynamic length), but it keeps finished rows, so greedy decoding and
-    beam search hand a batch over to the eager cache once half its rows (or sources) have finished. Without decoding
+    Each step is exported (``torch.export``) and compiled into a shared library that runs it without Python and
+    without ``torch.compile``'s per-call work (guards, wrappers). Freezing folds the weights into it as constants,
+    packed once for MKL's matrix products: at decoding's few rows per step those products are most of the time.
+    Inductor keeps a small elementwise result (an int8 linear's dequantized output, say) in a buffer rather than
+    recomputing it inside each loop that reads it. The step attends over the positions written only
+    (:meth:`DecoderCache.attend_written`, a dynamic length), but it keeps finished rows, so greedy decoding and beam
+    search hand a batch over to the eager cache once half its rows (or sources) have finished. Without decoding
     controls, the step computes what the search reads from its logits too (``head``: greedy's next token, beam
-    search's candidate scores). What it gains: see benchmarks/RESULTS.md,
-    sections "bench_peers: ours vs Hugging Face BART / Marian and CTranslate2", "`compile=True` on real sentences"
-    and "int8 decoding".
+    search's candidate scores). What it gains: see benchmarks/RESULTS.md, sections "bench_peers: ours vs Hugging
+    Face BART / Marian and CTranslate2", "`compile=True` on real sentences" and "int8 decoding".
 
     What it costs: each batch size compiles two steps (the first, which fills the cache, and the rest; seconds each),
-    for each head it runs (decoding controls run none);
-    source lengths are dynamic from the first call, so a new one compiles nothing. Up to 32 compiled steps are
-    kept (torch's default keeps 8, then decodes eagerly). Frozen weights cannot follow the model's: a decoding started
-    after a parameter or buffer changed in place raises (:meth:`check`) instead of decoding with the old ones (a
-    change made through ``.data`` escapes the check). It changes Inductor's settings for the duration of each call:
-    one thread at a time. Only :class:`StaticDecoder`'s fixed-shape step uses it (greedy decoding and beam search).
+    for each head it runs (decoding controls run none) and each number of new tokens; source lengths are dynamic, so
+    a new one compiles nothing. Up to :attr:`LIMIT` compiled steps are kept, then new ones decode eagerly. Frozen
+    weights cannot follow the model's: a decoding started after a parameter or buffer changed in place raises
+    (:meth:`check`) instead of decoding with the old ones (a change made through ``.data`` escapes the check). Only
+    :class:`StaticDecoder`'s fixed-shape step uses it (greedy decoding and beam search).
     """
 
-    def __init__(self, model: Transformer) -> None:
-        import torch._dynamo.config
-        import torch._inductor.config
+    LIMIT = 32
 
+    def __init__(self, model: Transformer) -> None:
         if any(p.device.type != "cpu" for p in model.parameters()):
             raise ValueError("CompiledDecode compiles decoding on a CPU: on a GPU, decode with cuda_graph=True")
-        # Set while Dynamo traces, not as torch.compile's options: freezing reaches Dynamo's tracing only so. An
-        # opcount threshold under the CPU default (50) stores an int8 linear's dequantized output once instead of
-        # recomputing it for every key an attention loop reads (benchmarks/RESULTS.md, section "int8 decoding").
-        self._settings = (
-            torch._inductor.config.patch(freezing=True, cpp_wrapper=True, realize_opcount_threshold=10),
-            torch._dynamo.config.patch(recompile_limit=32),
-        )
         self.model = model
         self._parameters = [*model.parameters(), *model.buffers()]
         self._versions = self._current()
-        self._decode = torch.compile(self._step)
+        self._steps: dict[tuple[object, ...], Callable[..., Any]] = {}
+
+    @property
+    def compiled(self) -> int:
+        """How many steps it has compiled."""
+        return len(self._steps)
 
     def _current(self) -> list[tuple[int, int]]:
         return [(p.data_ptr(), p._version) for p in self._parameters]
@@ -145,18 +143,6 @@ class CompiledDecode:
                 "(a new CompiledDecode, or torch_handle.load(..., compile=True) again), or decode without compile"
             )
 
-    def _step(
-        self,
-        token: Tensor,
-        memory: Tensor,
-        memory_padding: Tensor,
-        cache: DecoderCache,
-        head: Head | None,
-        *args: Tensor,
-    ) -> Tensor:
-        logits = self.model.decode(token, memory, memory_padding, cache)
-        return logits if head is None else head(logits, self.model.config, *args)
-
     def __call__(
         self,
         token: Tensor,
@@ -168,27 +154,120 @@ class CompiledDecode:
     ) -> Tensor:
         """The logits ``(B, 1, V)`` after ``token``; with ``head``, ``head(logits, model.config, *head_args)``
         instead (:func:`greedy_token`, :func:`beam_scores`), computed inside the compiled step."""
-        # One compiled step per batch size: a batch dimension left to turn dynamic (as a second size would) cost
-        # most of the gain, measured. Source lengths are dynamic from the first call, at no cost to the step: a job's
-        # second length would otherwise compile every step again.
-        for tensor in (token, memory, memory_padding, *cache.batched(), *head_args):
-            torch._dynamo.mark_static(tensor, 0)
-        lengths = [(memory, 1), (memory_padding, 1), (cache.source, 1)] + [
-            (t, 2) for _, cross in cache.layers for t in (cross.k, cross.v)
-        ]
-        if cache.cross_spec is not None:
-            if cache.cross_spec.key_padding is None:  # a batch without padding: the same step, not one of its own
-                cache.cross_spec = dataclasses.replace(cache.cross_spec, key_padding=memory_padding)
-            lengths.append((cache.cross_spec.key_padding, 1))
-        assert cache.position is not None
-        window = cache.attend_written(int(cache.position))  # a host read, on a CPU: attend over those positions only
-        if len(window) > 1:  # dynamic from the second step (the first, which fills the cache, compiles its own)
-            torch._dynamo.mark_dynamic(window, 0)
-        for tensor, dim in lengths:
-            if tensor is not None:
-                torch._dynamo.maybe_mark_dynamic(tensor, dim)
-        with torch.no_grad(), self._settings[0], self._settings[1]:
-            return self._decode(token, memory, memory_padding, cache, head, *head_args)
+        assert cache.position is not None and cache.cross_spec is not None, "the step runs over a static cache"
+        if cache.cross_spec.key_padding is None:  # a batch without padding: the same step, not one of its own
+            cache.cross_spec = dataclasses.replace(cache.cross_spec, key_padding=memory_padding)
+        cache.attend_written(int(cache.position))  # a host read, on a CPU: attend over those positions only
+        fill = cache.layers[0][1].k is None  # the first step fills the cross-attention keys and values
+        # The compiled code reads each input with the strides it was exported with (it checks none): those it does not
+        # write are made contiguous here, those it writes (the position, keys and values) are so from the first step.
+        read = [t if t is None else t.contiguous() for t in (token, memory, memory_padding)]
+        inputs = [*read, *_cache_tensors(cache), *(t.contiguous() for t in head_args)]
+        present = tuple(t is not None for t in inputs)
+        key = (head, fill, token.shape[0], memory.shape[0], memory.shape[1] < 2, memory.dtype, cache.capacity, present)
+        step = self._steps.get(key)
+        if step is None and len(self._steps) < self.LIMIT:
+            step = self._steps[key] = self._compile(inputs, cache, head, fill)
+        if step is None:
+            with torch.no_grad():
+                logits = self.model.decode(token, memory, memory_padding, cache)
+            return logits if head is None else head(logits, self.model.config, *head_args)
+        out = step([t for t in inputs if t is not None])
+        if not fill:
+            return out
+        for (self_cache, cross), (k, v, cross_k, cross_v) in zip(cache.layers, _fours(out[1:]), strict=True):
+            self_cache.k, self_cache.v, cross.k, cross.v, cross.length = k, v, cross_k, cross_v, cross_k.shape[-2]
+        return out[0]
+
+    def _compile(self, inputs: list[Tensor | None], cache: DecoderCache, head: Head | None, fill: bool) -> Any:
+        """Exports the step over these inputs, the source and window lengths dynamic, and compiles it."""
+        import torch._inductor
+
+        step = _Step(self.model, cache, head, [t is not None for t in inputs], fill)
+        # A window never spans the key buffers' spare position (see KVCache.append).
+        source, window = torch.export.Dim("source", min=2), torch.export.Dim("window", min=2, max=cache.capacity)
+        # (B, S): memory (B, S, C), its padding, the cross-attention's key padding, the source ids; (B, H, S, D): the
+        # cross-attention's keys and values. The window (W,) is dynamic from the second step.
+        lengths = [(1, 1), (2, 1), (_FIRST + 2, 1), (_FIRST + 6, 1), (_FIRST + 1, 0)]
+        lengths += [(_FIRST + _STATE + 4 * layer + i, 2) for layer in range(step.layers) for i in (2, 3)]
+        dims: list[dict[int, Any] | None] = [None] * len(inputs)
+        for i, dim in lengths:
+            tensor = inputs[i]
+            if tensor is not None and tensor.shape[dim] >= 2:
+                dims[i] = {dim: window if i == _FIRST + 1 else source}
+        tensors = [t for t in inputs if t is not None]
+        shapes = [d for t, d in zip(inputs, dims, strict=True) if t is not None]
+        with torch.no_grad(), tempfile.TemporaryDirectory(prefix="torch-handle-decode-") as folder:
+            program = torch.export.export(step, (tensors,), dynamic_shapes=(shapes,))
+            package = torch._inductor.aoti_compile_and_package(
+                program,
+                package_path=f"{folder}/step.pt2",
+                # An opcount threshold under the CPU default (50) stores an int8 linear's dequantized output once
+                # instead of recomputing it for every key an attention loop reads (benchmarks/RESULTS.md, section
+                # "int8 decoding").
+                inductor_configs={"freezing": True, "realize_opcount_threshold": 10},
+            )
+            return torch._inductor.aoti_load_package(package)
+
+
+_FIRST = 3  # the step's inputs: token, memory and its padding, then the static cache's tensors, then the head's
+_STATE = 7  # the static cache's tensors before its layers' (see _cache_tensors)
+
+
+def _cache_tensors(cache: DecoderCache) -> list[Tensor | None]:
+    """A static cache's tensors in a fixed order: its position, window, cross-attention key padding, RoPE angles,
+    relative position bias and source ids (each may be None), then each layer's self and cross keys and values."""
+    assert cache.cross_spec is not None
+    cos, sin = (None, None) if cache.rope is None else cache.rope
+    read = [cache.cross_spec.key_padding, cos, sin, cache.bias, cache.source]  # contiguous: see CompiledDecode
+    fixed = [cache.position, cache.window, *(t if t is None else t.contiguous() for t in read)]
+    return fixed + [t for self_cache, cross in cache.layers for t in (self_cache.k, self_cache.v, cross.k, cross.v)]
+
+
+def _fours(tensors: Sequence[Tensor | None]) -> list[Sequence[Tensor | None]]:
+    """Each layer's self-attention keys and values and cross-attention keys and values, from them all in a row."""
+    return [tensors[i : i + 4] for i in range(0, len(tensors), 4)]
+
+
+class _Step(nn.Module):
+    """One step of :class:`CompiledDecode` as a module to export: the cache rebuilt from its tensors, the model held
+    unregistered, so that its weights are constants to freeze (and the eager int8 linears' packed weights, which
+    export cannot hold, are never traced)."""
+
+    def __init__(
+        self, model: Transformer, cache: DecoderCache, head: Head | None, present: list[bool], fill: bool
+    ) -> None:
+        super().__init__()
+        self.__dict__["model"] = model
+        assert cache.cross_spec is not None
+        self.layers, self.capacity = len(cache.layers), cache.capacity
+        self.cross_spec = dataclasses.replace(cache.cross_spec, key_padding=None)  # its other fields
+        self.head, self.present, self.fill = head, present, fill
+        self.head_args = len(present) - _FIRST - _STATE - 4 * self.layers
+
+    def forward(self, tensors: list[Tensor]) -> Tensor | tuple[Tensor, ...]:
+        given = iter(tensors)
+        inputs = [next(given) if p else None for p in self.present]
+        token, memory, memory_padding = inputs[:_FIRST]
+        position, window, key_padding, cos, sin, bias, source = inputs[_FIRST : _FIRST + _STATE]
+        assert token is not None and memory is not None and memory_padding is not None
+        cache = DecoderCache(self.layers, self.capacity, position, source)
+        cache.rope = None if cos is None or sin is None else (cos, sin)
+        cache.bias, cache.window = bias, window
+        cache.cross_spec = dataclasses.replace(self.cross_spec, key_padding=key_padding)
+        held = inputs[_FIRST + _STATE : len(inputs) - self.head_args]
+        for (self_cache, cross), (k, v, cross_k, cross_v) in zip(cache.layers, _fours(held), strict=True):
+            self_cache.k, self_cache.v, self_cache.window, cross.k, cross.v = k, v, window, cross_k, cross_v
+            cross.length = 0 if cross_k is None else cross_k.shape[-2]
+        model = self.__dict__["model"]
+        logits = model.decode(token, memory, memory_padding, cache)
+        head_args = [t for t in inputs[len(inputs) - self.head_args :] if t is not None]
+        out = logits if self.head is None else self.head(logits, model.config, *head_args)
+        if not self.fill:
+            return out
+        # Contiguous, as every later step reads them (see CompiledDecode.__call__).
+        held = [t for self_cache, cross in cache.layers for t in (self_cache.k, self_cache.v, cross.k, cross.v)]
+        return out, *(t.contiguous() for t in held if t is not None)
 
 
 class StaticDecoder:
