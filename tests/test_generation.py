@@ -146,6 +146,27 @@ def test_compiled_greedy_equals_greedy_for_new_source_lengths_and_batch_sizes() 
 
 
 @pytest.mark.slow
+@torch.no_grad()
+def test_past_its_limit_of_compiled_steps_decoding_goes_on_eagerly() -> None:
+    # LIMIT 1: the first step compiled, the rest eager over the cache it filled. Then the first step eager (its
+    # compiled one dropped, no room for another) and the rest compiled: the cache it fills must read as a compiled
+    # first step leaves it (contiguous keys and values; the compiled code checks no strides).
+    model = _model(attention_backend="sdpa", tie_embeddings=False)
+    src = _sources_ending_apart(model, 1, 12)
+    expected = generate(model, src, 12)
+    compiled = CompiledDecode(model)
+    compiled.LIMIT = 1
+    assert torch.equal(generate(model, src, 12, decode=compiled), expected)
+    assert compiled.compiled == 1
+    compiled = CompiledDecode(model)
+    assert torch.equal(generate(model, src, 12, decode=compiled), expected)
+    del compiled._steps[next(key for key in compiled._steps if key[1])]  # (head, fill, ...)
+    compiled.LIMIT = 1
+    assert torch.equal(generate(model, src, 12, decode=compiled), expected)
+    assert compiled.compiled == 1
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("position", [p for p in POSITIONS if p != "sinusoidal"])
 @torch.no_grad()
 def test_compiled_decoding_equals_eager_decoding_for_every_position_scheme(position: str) -> None:

@@ -81,7 +81,7 @@ def beam_search(
     for step in range(max_new_tokens):
         n = len(active)
         if static is not None and static.head is not None:  # beam_scores, then the forced token where one is
-            total = static(tokens[:, -1:].contiguous(), scores)  # a fixed stride, or the compiled step recompiles
+            total = static(tokens[:, -1:], scores)
             vocab, forced = total.shape[-1] // k, forced_id(c, step, max_new_tokens)
             if forced is not None:
                 total = torch.full_like(total, float("-inf"))

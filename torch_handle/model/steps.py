@@ -164,6 +164,7 @@ class CompiledDecode:
         read = [t if t is None else t.contiguous() for t in (token, memory, memory_padding)]
         inputs = [*read, *_cache_tensors(cache), *(t.contiguous() for t in head_args)]
         present = tuple(t is not None for t in inputs)
+        # A step per batch size: a batch dimension left dynamic cost most of the gain, measured.
         key = (head, fill, token.shape[0], memory.shape[0], memory.shape[1] < 2, memory.dtype, cache.capacity, present)
         step = self._steps.get(key)
         if step is None and len(self._steps) < self.LIMIT:
@@ -171,6 +172,9 @@ class CompiledDecode:
         if step is None:
             with torch.no_grad():
                 logits = self.model.decode(token, memory, memory_padding, cache)
+            for _, cross in cache.layers if fill else ():  # contiguous, as a compiled first step leaves them
+                assert cross.k is not None and cross.v is not None
+                cross.k, cross.v = cross.k.contiguous(), cross.v.contiguous()
             return logits if head is None else head(logits, self.model.config, *head_args)
         out = step([t for t in inputs if t is not None])
         if not fill:
