@@ -147,6 +147,18 @@ def test_compiled_greedy_equals_greedy_for_new_source_lengths_and_batch_sizes() 
 
 @pytest.mark.slow
 @torch.no_grad()
+def test_compiled_decoding_of_one_or_two_tokens_equals_eager_decoding() -> None:
+    # One token runs the first step only; two run a second whose window (2 positions) cannot vary: neither is dynamic.
+    model = _model(attention_backend="sdpa")
+    src, _ = _batch()
+    compiled = CompiledDecode(model)
+    for steps, beams in ((1, 1), (2, 1), (2, 3)):
+        expected = generate(model, src, steps, beams)
+        assert torch.equal(generate(model, src, steps, beams, decode=compiled), expected), (steps, beams)
+
+
+@pytest.mark.slow
+@torch.no_grad()
 def test_past_its_limit_of_compiled_steps_decoding_goes_on_eagerly() -> None:
     # LIMIT 1: the first step compiled, the rest eager over the cache it filled. Then the first step eager (its
     # compiled one dropped, no room for another) and the rest compiled: the cache it fills must read as a compiled
@@ -213,6 +225,8 @@ def test_compiled_decoding_refuses_weights_changed_after_it_was_made() -> None:
         ValueError, match=r"^CompiledDecode compiles decoding on a CPU: on a GPU, decode with cuda_graph"
     ):
         CompiledDecode(_model().to("meta"))
+    with pytest.raises(ValueError, match=r"^CompiledDecode does not compile flex attention: load the model with"):
+        CompiledDecode(_model(attention_backend="flex"))
 
 
 class _EagerStep:

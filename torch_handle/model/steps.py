@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from torch_handle.model.attention import MultiHeadAttention
 from torch_handle.model.config import TransformerConfig
 from torch_handle.model.transformer import DecoderCache, Transformer
 
@@ -120,6 +121,10 @@ class CompiledDecode:
     def __init__(self, model: Transformer) -> None:
         if any(p.device.type != "cpu" for p in model.parameters()):
             raise ValueError("CompiledDecode compiles decoding on a CPU: on a GPU, decode with cuda_graph=True")
+        if any(isinstance(m, MultiHeadAttention) and m.backend == "flex" for m in model.modules()):
+            raise ValueError(
+                "CompiledDecode does not compile flex attention: load the model with attention_backend='sdpa'"
+            )
         self.model = model
         self._parameters = [*model.parameters(), *model.buffers()]
         self._versions = self._current()
@@ -188,17 +193,18 @@ class CompiledDecode:
         import torch._inductor
 
         step = _Step(self.model, cache, head, [t is not None for t in inputs], fill)
-        # A window never spans the key buffers' spare position (see KVCache.append).
-        source, window = torch.export.Dim("source", min=2), torch.export.Dim("window", min=2, max=cache.capacity)
+        source = torch.export.Dim("source", min=2)
         # (B, S): memory (B, S, C), its padding, the cross-attention's key padding, the source ids; (B, H, S, D): the
-        # cross-attention's keys and values. The window (W,) is dynamic from the second step.
-        lengths = [(1, 1), (2, 1), (_FIRST + 2, 1), (_FIRST + 6, 1), (_FIRST + 1, 0)]
+        # cross-attention's keys and values.
+        lengths = [(1, 1), (2, 1), (_FIRST + 2, 1), (_FIRST + 6, 1)]
         lengths += [(_FIRST + _STATE + 4 * layer + i, 2) for layer in range(step.layers) for i in (2, 3)]
         dims: list[dict[int, Any] | None] = [None] * len(inputs)
         for i, dim in lengths:
             tensor = inputs[i]
             if tensor is not None and tensor.shape[dim] >= 2:
-                dims[i] = {dim: window if i == _FIRST + 1 else source}
+                dims[i] = {dim: source}
+        if not fill and cache.capacity > 2:  # the window (W,): 2 to the capacity, never the buffers' spare position
+            dims[_FIRST + 1] = {0: torch.export.Dim("window", min=2, max=cache.capacity)}
         tensors = [t for t in inputs if t is not None]
         shapes = [d for t, d in zip(inputs, dims, strict=True) if t is not None]
         with torch.no_grad(), tempfile.TemporaryDirectory(prefix="torch-handle-decode-") as folder:
@@ -245,7 +251,7 @@ class _Step(nn.Module):
         self.__dict__["model"] = model
         assert cache.cross_spec is not None
         self.layers, self.capacity = len(cache.layers), cache.capacity
-        self.cross_spec = dataclasses.replace(cache.cross_spec, key_padding=None)  # its other fields
+        self.cross_spec = dataclasses.replace(cache.cross_spec, key_padding=None, built={})  # its other fields
         self.head, self.present, self.fill = head, present, fill
         self.head_args = len(present) - _FIRST - _STATE - 4 * self.layers
 
@@ -258,7 +264,7 @@ class _Step(nn.Module):
         cache = DecoderCache(self.layers, self.capacity, position, source)
         cache.rope = None if cos is None or sin is None else (cos, sin)
         cache.bias, cache.window = bias, window
-        cache.cross_spec = dataclasses.replace(self.cross_spec, key_padding=key_padding)
+        cache.cross_spec = dataclasses.replace(self.cross_spec, key_padding=key_padding, built={})
         held = inputs[_FIRST + _STATE : len(inputs) - self.head_args]
         for (self_cache, cross), (k, v, cross_k, cross_v) in zip(cache.layers, _fours(held), strict=True):
             self_cache.k, self_cache.v, self_cache.window, cross.k, cross.v = k, v, window, cross_k, cross_v
