@@ -105,8 +105,8 @@ class CompiledDecode:
     (:meth:`DecoderCache.attend_written`, a dynamic length), but it keeps finished rows, so greedy decoding and beam
     search hand a batch over to the eager cache once half its rows (or sources) have finished. Without decoding
     controls, the step computes what the search reads from its logits too (``head``: greedy's next token, beam
-    search's candidate scores). What it gains: see benchmarks/RESULTS.md, sections "bench_peers: ours vs Hugging
-    Face BART / Marian and CTranslate2", "`compile=True` on real sentences" and "int8 decoding".
+    search's candidate scores). What it gains and costs: see benchmarks/RESULTS.md, section "Stop 54: the step
+    compiled ahead of time by AOTInductor".
 
     What it costs: each batch size compiles two steps (the first, which fills the cache, and the rest; seconds each),
     for each head it runs (decoding controls run none) and each number of new tokens; source lengths are dynamic, so
