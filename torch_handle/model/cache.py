@@ -77,11 +77,6 @@ class DecoderCache:
         cache.length = filled
         return cache
 
-    def batched(self) -> list[Tensor]:
-        """The tensors it holds whose first dimension is the batch: every layer's keys and values, the source ids."""
-        held = [t for pair in self.layers for kv in pair for t in (kv.k, kv.v) if t is not None]
-        return held if self.source is None else [*held, self.source]
-
     @property
     def rows(self) -> int | None:
         """The batch size the cache holds (decoder rows), ``None`` before the first step."""

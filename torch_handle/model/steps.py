@@ -166,8 +166,8 @@ class CompiledDecode:
         fill = cache.layers[0][1].k is None  # the first step fills the cross-attention keys and values
         # The compiled code reads each input with the strides it was exported with (it checks none): those it does not
         # write are made contiguous here, those it writes (the position, keys and values) are so from the first step.
-        read = [t if t is None else t.contiguous() for t in (token, memory, memory_padding)]
-        inputs = [*read, *_cache_tensors(cache), *(t.contiguous() for t in head_args)]
+        read = [t.contiguous() for t in (token, memory, memory_padding)]
+        inputs: list[Tensor | None] = [*read, *_cache_tensors(cache), *(t.contiguous() for t in head_args)]
         present = tuple(t is not None for t in inputs)
         # A step per batch size: a batch dimension left dynamic cost most of the gain, measured.
         key = (head, fill, token.shape[0], memory.shape[0], memory.shape[1] < 2, memory.dtype, cache.capacity, present)
