@@ -93,8 +93,8 @@ class Seq2SeqModule(Evaluation, Optimization, Parallelism):
         init_from: A model to start from: a Hugging Face model folder (BART, mBART, Marian, PEGASUS, T5, mT5, LED) or
             its hub id (``Helsinki-NLP/opus-mt-en-de``, fetched once into the Hugging Face cache), or one of ours as
             :func:`torch_handle.load` reads it (an export, a checkpoint, a run folder, e.g. a ``--config pretrain``
-            run's): its architecture replaces ``transformer`` (but for the attention kernel, activation checkpointing
-            and LED's ``global_tokens``), its weights the random ones, and its tokenizer the data's
+            run's): its architecture replaces ``transformer`` (but for the attention kernel, activation checkpointing,
+            LED's ``global_tokens`` and ``copy_attention``), its weights the random ones, and its tokenizer the data's
             (:mod:`torch_handle.pretrained.trained`).
     """
 
@@ -181,8 +181,8 @@ class Seq2SeqModule(Evaluation, Optimization, Parallelism):
 
     def _pretrained_config(self, folder: str, given: TransformerConfig, vocab_size: int) -> TransformerConfig:
         """The architecture of the model at ``folder`` (``init_from``), with ``given``'s run settings (attention
-        kernel, activation checkpointing, global tokens). Checkpoints keep it as ``transformer``, so they load without
-        the folder."""
+        kernel, activation checkpointing, global tokens, copy attention). Checkpoints keep it as ``transformer``, so
+        they load without the folder."""
         config = init_config(folder)
         if vocab_size != config.tgt_vocab_size:
             raise ConfigError(

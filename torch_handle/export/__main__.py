@@ -15,7 +15,11 @@ from torch_handle.export.write import export, export_ctranslate2
 
 def main(args: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog=typed_command("export"), description=EXPORT_DOC.splitlines()[0])
-    parser.add_argument("checkpoint", help="a .ckpt file, a DeepSpeed checkpoint folder or an FSDP sharded folder")
+    parser.add_argument(
+        "checkpoint",
+        help="a .ckpt file, or a DeepSpeed, FSDP, tensor- or pipeline-parallel checkpoint folder (ctranslate2 and hf: "
+        "also a .safetensors export)",
+    )
     parser.add_argument(
         "output", help="the safetensors file to write, or the CTranslate2 or Hugging Face folder to create"
     )
@@ -26,8 +30,8 @@ def main(args: list[str] | None = None) -> None:
         help="safetensors: one file for torch_handle.load; ctranslate2: a model folder for ctranslate2.Translator "
         "(needs pip install 'torch-handle[bench]'; an imported BART, mBART, Marian, PEGASUS or T5 v1.0 goes through "
         "CTranslate2's own converter, which needs transformers; the checkpoint may also be a .safetensors export); "
-        "hf: a Hugging Face folder for transformers' from_pretrained (models of the BART, mBART, Marian, PEGASUS or T5 "
-        "families)",
+        "hf: a Hugging Face folder for transformers' from_pretrained (models of the BART, mBART, Marian, PEGASUS, "
+        "T5/mT5 or LED families)",
     )
     options = parser.parse_args(args)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
