@@ -132,12 +132,12 @@ def test_static_greedy_equals_greedy_where_rows_finish_at_different_steps(positi
 def test_compiled_greedy_equals_greedy_for_new_source_lengths_and_batch_sizes() -> None:
     # CompiledDecode (torch_handle.load(..., compile=True)): AOTInductor with the weights frozen in; source lengths
     # are dynamic and a batch without padding takes the same step (neither compiles anything), a new batch size
-    # compiles steps of its own (the first and the rest). Rows end at different steps.
+    # compiles a step of its own, which runs every position. Rows end at different steps.
     model = _model(attention_backend="sdpa", tie_embeddings=False)
     src = _sources_ending_apart(model, 1, 12)
     compiled = CompiledDecode(model)
     unpadded = torch.randint(3, VOCAB, (src.shape[0], 7))
-    for batch, steps in ((src, 2), (src[:, :9], 2), (src[:, :4], 2), (unpadded, 2), (src[:5], 4), (src, 4)):
+    for batch, steps in ((src, 1), (src[:, :9], 1), (src[:, :4], 1), (unpadded, 1), (src[:5], 2), (src, 2)):
         assert torch.equal(generate(model, batch, 12, decode=compiled), generate(model, batch, 12)), batch.shape
         assert compiled.compiled == steps, batch.shape
     # The compiled code reads its inputs with the strides it was exported with: a memory laid out otherwise is copied.
@@ -148,7 +148,7 @@ def test_compiled_greedy_equals_greedy_for_new_source_lengths_and_batch_sizes() 
 @pytest.mark.slow
 @torch.no_grad()
 def test_compiled_decoding_of_one_or_two_tokens_equals_eager_decoding() -> None:
-    # One token runs the first step only; two run a second whose window (2 positions) cannot vary: neither is dynamic.
+    # One token runs a step whose window (1 position) cannot vary; two run one whose window is 1, then 2.
     model = _model(attention_backend="sdpa")
     src, _ = _batch()
     compiled = CompiledDecode(model)
@@ -160,21 +160,15 @@ def test_compiled_decoding_of_one_or_two_tokens_equals_eager_decoding() -> None:
 @pytest.mark.slow
 @torch.no_grad()
 def test_past_its_limit_of_compiled_steps_decoding_goes_on_eagerly() -> None:
-    # LIMIT 1: the first step compiled, the rest eager over the cache it filled. Then the first step eager (its
-    # compiled one dropped, no room for another) and the rest compiled: the cache it fills must read as a compiled
-    # first step leaves it (contiguous keys and values; the compiled code checks no strides).
+    # LIMIT 1: the first batch size's step compiled; a second batch size decodes eagerly, greedy and beam search, over
+    # the cache filled for a compiled step.
     model = _model(attention_backend="sdpa", tie_embeddings=False)
     src = _sources_ending_apart(model, 1, 12)
-    expected = generate(model, src, 12)
     compiled = CompiledDecode(model)
     compiled.LIMIT = 1
-    assert torch.equal(generate(model, src, 12, decode=compiled), expected)
-    assert compiled.compiled == 1
-    compiled = CompiledDecode(model)
-    assert torch.equal(generate(model, src, 12, decode=compiled), expected)
-    del compiled._steps[next(key for key in compiled._steps if key[1])]  # (head, fill, ...)
-    compiled.LIMIT = 1
-    assert torch.equal(generate(model, src, 12, decode=compiled), expected)
+    assert torch.equal(generate(model, src, 12, decode=compiled), generate(model, src, 12))
+    for beams in (1, 3):
+        assert torch.equal(generate(model, src[:5], 12, beams, decode=compiled), generate(model, src[:5], 12, beams))
     assert compiled.compiled == 1
 
 

@@ -240,8 +240,8 @@ def load(
         attention_backend: The attention kernel on this machine (``auto`` picks one).
         compile: On a CPU, greedy and beam-search decoding run a step compiled ahead of time by AOTInductor with
             the weights frozen in, after a first call that compiles (seconds; again for a new batch size, not for new
-            source lengths). What it gains and costs: see benchmarks/RESULTS.md, section "Stop 54: the step
-            compiled ahead of time by AOTInductor".
+            source lengths). What it gains and costs: see benchmarks/RESULTS.md, sections "Stop 54: the step
+            compiled ahead of time by AOTInductor" and "Stop 55: one compiled step per batch size".
         quantize: ``"int8"``: on a CPU, every linear of the model becomes an int8 one (:mod:`torch_handle.quantize`),
             eagerly and, with ``compile``, in the compiled step (``torchao``'s). What it gains and costs: see
             benchmarks/RESULTS.md, section "int8 decoding".

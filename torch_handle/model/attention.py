@@ -34,16 +34,20 @@ class KVCache:
         self.position = position  # (1,): the next position of a static cache, advanced by its owner
         self.window: Tensor | None = None  # a static cache's positions attended this step, set by its owner
 
+    def allocate(self, like: Tensor, rows: int, capacity: int) -> None:
+        """The buffers for ``rows`` rows of ``capacity`` positions, heads, width and dtype as ``like (B, H, T, D)``."""
+        # A window never spans the whole buffer: one spare position, or the last step's view would be the whole
+        # buffer, whose shapes a compiled step specializes on (it compiled again).
+        shape = (rows, like.shape[1], capacity + (self.window is not None), like.shape[-1])
+        # A static cache's unwritten keys and values are masked, not sliced off, and a masked NaN left in
+        # uninitialised memory would still poison the output (0 * NaN): they start as zeros.
+        new = torch.zeros if self.position is not None else torch.empty
+        self.k, self.v = (new(shape, dtype=like.dtype, device=like.device) for _ in range(2))
+
     def append(self, k: Tensor, v: Tensor, capacity: int) -> tuple[Tensor, Tensor]:
         if self.k is None:
-            # A window never spans the whole buffer: one spare position, or the last step's view would be the whole
-            # buffer, whose shapes a compiled step specializes on (it compiled again).
-            shape = (*k.shape[:2], capacity + (self.window is not None), k.shape[-1])
-            # A static cache's unwritten keys and values are masked, not sliced off, and a masked NaN left in
-            # uninitialised memory would still poison the output (0 * NaN): they start as zeros.
-            new = torch.zeros if self.position is not None else torch.empty
-            self.k, self.v = (new(shape, dtype=t.dtype, device=t.device) for t in (k, v))
-        assert self.v is not None
+            self.allocate(k, k.shape[0], capacity)
+        assert self.k is not None and self.v is not None
         if self.position is not None:
             self.k.index_copy_(2, self.position, k)
             self.v.index_copy_(2, self.position, v)
@@ -187,7 +191,7 @@ class MultiHeadAttention(nn.Module):
             if cache is not None and cache.k is not None:
                 k, v = cache.k, cache.v
             else:
-                k, v = (self._heads(t) for t in self.project(memory, "kv").chunk(2, dim=-1))
+                k, v = self.memory_kv(memory)
                 if cache is not None:
                     cache.k, cache.v, cache.length = k, v, k.shape[-2]
         if self.query_scale is not None:
@@ -197,6 +201,11 @@ class MultiHeadAttention(nn.Module):
         if self.global_proj is not None and spec.global_keys:
             out = torch.cat([self._global_rows(x, spec, dropout_p), out[:, :, spec.global_keys :]], dim=2)
         return self.out_proj(out.transpose(1, 2).reshape(*x.shape[:-1], -1))
+
+    def memory_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
+        """Cross-attention's keys and values ``(B, H, S, D)`` of ``memory (B, S, C)``."""
+        k, v = (self._heads(t) for t in self.project(memory, "kv").chunk(2, dim=-1))
+        return k, v
 
     def _global_rows(self, x: Tensor, spec: MaskSpec, dropout_p: float) -> Tensor:
         """The outputs ``(B, H, G, D)`` of the ``G`` global tokens of ``x (B, T, C)``: their ``global_proj`` queries

@@ -105,12 +105,13 @@ class CompiledDecode:
     (:meth:`DecoderCache.attend_written`, a dynamic length), but it keeps finished rows, so greedy decoding and beam
     search hand a batch over to the eager cache once half its rows (or sources) have finished. Without decoding
     controls, the step computes what the search reads from its logits too (``head``: greedy's next token, beam
-    search's candidate scores). What it gains and costs: see benchmarks/RESULTS.md, section "Stop 54: the step
-    compiled ahead of time by AOTInductor".
+    search's candidate scores). What it gains and costs: see benchmarks/RESULTS.md, sections "Stop 54: the step
+    compiled ahead of time by AOTInductor" and "Stop 55: one compiled step per batch size".
 
-    What it costs: each batch size compiles two steps (the first, which fills the cache, and the rest; seconds each),
-    for each head it runs (decoding controls run none) and each number of new tokens; source lengths are dynamic, so
-    a new one compiles nothing. Up to :attr:`LIMIT` compiled steps are kept, then new ones decode eagerly. Frozen
+    What it costs: each batch size compiles one step (seconds), for each head it runs (decoding controls run none) and
+    each number of new tokens; source lengths and the window are dynamic, so neither compiles anything. The step serves
+    every position because the cross-attention keys and values are computed eagerly first, once a decoding (and the
+    self-attention buffers allocated). Up to :attr:`LIMIT` compiled steps are kept, then new ones decode eagerly. Frozen
     weights cannot follow the model's: a decoding started after a parameter or buffer changed in place raises
     (:meth:`check`) instead of decoding with the old ones (a change made through ``.data`` escapes the check). Only
     :class:`StaticDecoder`'s fixed-shape step uses it (greedy decoding and beam search).
@@ -163,36 +164,30 @@ class CompiledDecode:
         if cache.cross_spec.key_padding is None:  # a batch without padding: the same step, not one of its own
             cache.cross_spec = dataclasses.replace(cache.cross_spec, key_padding=memory_padding)
         cache.attend_written(int(cache.position))  # a host read, on a CPU: attend over those positions only
-        fill = cache.layers[0][1].k is None  # the first step fills the cross-attention keys and values
+        if cache.layers[0][1].k is None:
+            with torch.no_grad():
+                _fill(self.model, cache, memory, token.shape[0])
         # The compiled code reads each input with the strides it was exported with (it checks none): those it does not
-        # write are made contiguous here, those it writes (the position, keys and values) are so from the first step.
+        # write are made contiguous here, those it writes (the position, keys and values) are so from _fill.
         read = [t.contiguous() for t in (token, memory, memory_padding)]
         inputs: list[Tensor | None] = [*read, *_cache_tensors(cache), *(t.contiguous() for t in head_args)]
         present = tuple(t is not None for t in inputs)
         # A step per batch size: a batch dimension left dynamic cost most of the gain, measured.
-        key = (head, fill, token.shape[0], memory.shape[0], memory.shape[1] < 2, memory.dtype, cache.capacity, present)
+        key = (head, token.shape[0], memory.shape[0], memory.shape[1] < 2, memory.dtype, cache.capacity, present)
         step = self._steps.get(key)
         if step is None and len(self._steps) < self.LIMIT:
-            step = self._steps[key] = self._compile(inputs, cache, head, fill)
-        if step is None:
-            with torch.no_grad():
-                logits = self.model.decode(token, memory, memory_padding, cache)
-            for _, cross in cache.layers if fill else ():  # contiguous, as a compiled first step leaves them
-                assert cross.k is not None and cross.v is not None
-                cross.k, cross.v = cross.k.contiguous(), cross.v.contiguous()
-            return logits if head is None else head(logits, self.model.config, *head_args)
-        out = step([t for t in inputs if t is not None])
-        if not fill:
-            return out
-        for (self_cache, cross), (k, v, cross_k, cross_v) in zip(cache.layers, _fours(out[1:]), strict=True):
-            self_cache.k, self_cache.v, cross.k, cross.v, cross.length = k, v, cross_k, cross_v, cross_k.shape[-2]
-        return out[0]
+            step = self._steps[key] = self._compile(inputs, cache, head)
+        if step is not None:
+            return step([t for t in inputs if t is not None])
+        with torch.no_grad():
+            logits = self.model.decode(token, memory, memory_padding, cache)
+        return logits if head is None else head(logits, self.model.config, *head_args)
 
-    def _compile(self, inputs: list[Tensor | None], cache: DecoderCache, head: Head | None, fill: bool) -> Any:
+    def _compile(self, inputs: list[Tensor | None], cache: DecoderCache, head: Head | None) -> Any:
         """Exports the step over these inputs, the source and window lengths dynamic, and compiles it."""
         import torch._inductor
 
-        step = _Step(self.model, cache, head, [t is not None for t in inputs], fill)
+        step = _Step(self.model, cache, head, [t is not None for t in inputs])
         source = torch.export.Dim("source", min=2)
         # (B, S): memory (B, S, C), its padding, the cross-attention's key padding, the source ids; (B, H, S, D): the
         # cross-attention's keys and values.
@@ -203,8 +198,10 @@ class CompiledDecode:
             tensor = inputs[i]
             if tensor is not None and tensor.shape[dim] >= 2:
                 dims[i] = {dim: source}
-        if not fill and cache.capacity > 2:  # the window (W,): 2 to the capacity, never the buffers' spare position
-            dims[_FIRST + 1] = {0: torch.export.Dim("window", min=2, max=cache.capacity)}
+        if cache.capacity > 1:  # the window (W,): 1 to the capacity, never the buffers' spare position
+            dims[_FIRST + 1] = {0: torch.export.Dim("window", min=1, max=cache.capacity)}
+            inputs = [*inputs]
+            inputs[_FIRST + 1] = torch.arange(2)  # an example of length 1 would be specialized on
         tensors = [t for t in inputs if t is not None]
         shapes = [d for t, d in zip(inputs, dims, strict=True) if t is not None]
         with torch.no_grad(), tempfile.TemporaryDirectory(prefix="torch-handle-decode-") as folder:
@@ -234,6 +231,16 @@ def _cache_tensors(cache: DecoderCache) -> list[Tensor | None]:
     return fixed + [t for self_cache, cross in cache.layers for t in (self_cache.k, self_cache.v, cross.k, cross.v)]
 
 
+def _fill(model: Transformer, cache: DecoderCache, memory: Tensor, rows: int) -> None:
+    """What the first step would do before it attends, done eagerly, so that one compiled step serves every position:
+    each layer's cross-attention keys and values of ``memory``, and its self-attention buffers for ``rows`` rows. The
+    keys and values are made contiguous: the step reads them faster so, and in the layout it was exported with."""
+    for layer, (self_cache, cross) in zip(model.decoder_layers, cache.layers, strict=True):
+        k, v = layer.cross_attn.memory_kv(memory)
+        cross.k, cross.v, cross.length = k.contiguous(), v.contiguous(), k.shape[-2]
+        self_cache.allocate(k, rows, cache.capacity)
+
+
 def _fours(tensors: Sequence[Tensor | None]) -> list[Sequence[Tensor | None]]:
     """Each layer's self-attention keys and values and cross-attention keys and values, from them all in a row."""
     return [tensors[i : i + 4] for i in range(0, len(tensors), 4)]
@@ -244,18 +251,16 @@ class _Step(nn.Module):
     unregistered, so that its weights are constants to freeze (and the eager int8 linears' packed weights, which
     export cannot hold, are never traced)."""
 
-    def __init__(
-        self, model: Transformer, cache: DecoderCache, head: Head | None, present: list[bool], fill: bool
-    ) -> None:
+    def __init__(self, model: Transformer, cache: DecoderCache, head: Head | None, present: list[bool]) -> None:
         super().__init__()
         self.__dict__["model"] = model
         assert cache.cross_spec is not None
         self.layers, self.capacity = len(cache.layers), cache.capacity
         self.cross_spec = dataclasses.replace(cache.cross_spec, key_padding=None, built={})  # its other fields
-        self.head, self.present, self.fill = head, present, fill
+        self.head, self.present = head, present
         self.head_args = len(present) - _FIRST - _STATE - 4 * self.layers
 
-    def forward(self, tensors: list[Tensor]) -> Tensor | tuple[Tensor, ...]:
+    def forward(self, tensors: list[Tensor]) -> Tensor:
         given = iter(tensors)
         inputs = [next(given) if p else None for p in self.present]
         token, memory, memory_padding = inputs[:_FIRST]
@@ -268,16 +273,12 @@ class _Step(nn.Module):
         held = inputs[_FIRST + _STATE : len(inputs) - self.head_args]
         for (self_cache, cross), (k, v, cross_k, cross_v) in zip(cache.layers, _fours(held), strict=True):
             self_cache.k, self_cache.v, self_cache.window, cross.k, cross.v = k, v, window, cross_k, cross_v
-            cross.length = 0 if cross_k is None else cross_k.shape[-2]
+            assert cross_k is not None
+            cross.length = cross_k.shape[-2]
         model = self.__dict__["model"]
         logits = model.decode(token, memory, memory_padding, cache)
         head_args = [t for t in inputs[len(inputs) - self.head_args :] if t is not None]
-        out = logits if self.head is None else self.head(logits, model.config, *head_args)
-        if not self.fill:
-            return out
-        # Contiguous, as every later step reads them (see CompiledDecode.__call__).
-        held = [t for self_cache, cross in cache.layers for t in (self_cache.k, self_cache.v, cross.k, cross.v)]
-        return out, *(t.contiguous() for t in held if t is not None)
+        return logits if self.head is None else self.head(logits, model.config, *head_args)
 
 
 class StaticDecoder:
