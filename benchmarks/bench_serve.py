@@ -5,10 +5,12 @@ and one request at a time (``--max-batch-size 1``). Against each, ``C`` client t
 (``POST /translate``, greedy unless ``--num-beams``) for ``--seconds`` after a warm-up; the rate is the sentences
 answered over the wall time. The table gives each setting's rate and batching's rate over the one-at-a-time server
 at the same concurrency and at the fewest clients, in RESULTS.md (section ``bench_serve``; ``--no-write`` prints it
-only).
+only). ``--quantize int8`` adds a third server, batched, with ``--quantize int8``, and its rate over the fp32 batched
+one.
 
     python benchmarks/bench_serve.py --model runs/demo --clients 1 8 32 --seconds 20
     python benchmarks/bench_serve.py --model runs/demo --source data/multi30k/test_2016_flickr.en --no-write
+    python benchmarks/bench_serve.py --model runs/multi30k --quantize int8 --no-write
 """
 
 from __future__ import annotations
@@ -124,26 +126,32 @@ def main() -> None:
     parser.add_argument("--batch-timeout", type=float, default=0.01)
     parser.add_argument("--num-beams", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads of each model worker")
+    parser.add_argument("--quantize", choices=("int8",), help="also a batched server with --quantize int8")
     parser.add_argument("--no-write", action="store_true", help="print the table only, not into RESULTS.md")
     args = parser.parse_args()
     sentences = args.source.read_text(encoding="utf-8").splitlines()[:512] if args.source else SENTENCES
     machine = machine_line(args.threads, version("torch"))  # the load average before the servers start
-    rates: dict[int, dict[int, float]] = {}
-    for max_batch_size in (1, max(args.clients)):
+    rates: dict[tuple[int, str | None], dict[int, float]] = {}
+    servers = [(1, None), (max(args.clients), None)] + ([(max(args.clients), args.quantize)] if args.quantize else [])
+    for max_batch_size, quantize in servers:
         options = ["--accelerator", "cpu", "--max-batch-size", str(max_batch_size)]
+        options += ["--quantize", quantize] if quantize else []
         process, url = start_server(
             args.model, *options, "--batch-timeout", str(args.batch_timeout), threads=args.threads
         )
         try:
             _rate(url, max(args.clients), 3, sentences, args.num_beams)  # warm-up
-            rates[max_batch_size] = {c: _rate(url, c, args.seconds, sentences, args.num_beams) for c in args.clients}
+            rate = {c: _rate(url, c, args.seconds, sentences, args.num_beams) for c in args.clients}
+            rates[max_batch_size, quantize] = rate
         finally:
             stop_server(process)
-        print(f"max_batch_size {max_batch_size}: {rates[max_batch_size]}", file=sys.stderr)
-    one, batched = rates[1], rates[max(args.clients)]
+        print(f"max_batch_size {max_batch_size}, quantize {quantize}: {rate}", file=sys.stderr)
+    one, batched = rates[1, None], rates[max(args.clients), None]
     base = one[min(args.clients)]  # the rate of a server answering its fewest clients one request at a time
+    quantized = rates.get((max(args.clients), args.quantize), {})
     rows = [
         (c, f"{one[c]:.1f}", f"{batched[c]:.1f}", f"{batched[c] / one[c]:.2f}x", f"{batched[c] / base:.2f}x")
+        + ((f"{quantized[c]:.1f}", f"{quantized[c] / batched[c]:.2f}x") if quantized else ())
         for c in args.clients
     ]
     header = (
@@ -152,7 +160,7 @@ def main() -> None:
         f"batched, up to {max(args.clients)} (sentences/s)",
         "batched / one at a time",
         f"batched / one at a time at {min(args.clients)} client(s)",
-    )
+    ) + ((f"batched, {args.quantize} (sentences/s)", f"{args.quantize} / fp32, batched") if quantized else ())
     table = markdown_table(header, rows)
     print(table)
     if not args.no_write:

@@ -159,3 +159,48 @@ def test_requests_are_checked_against_the_server_limits(monkeypatch: pytest.Monk
     monkeypatch.setattr(LIMITS, "lowered_default", 10)  # --max-new-tokens below the model's own default
     assert TextsRequest(texts=["a"]).options() == (None, 10, None)
     assert TextsRequest(texts=["a"], max_new_tokens=4).options() == (None, 4, None)
+
+
+def test_quantize_is_refused_on_a_gpu_in_one_line_before_the_model_loads(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as exited:
+        serve.main([str(tmp_path / "nothing"), "--quantize", "int8", "--accelerator", "cuda"])
+    message = "error: --quantize int8 decodes on the CPU: pass --accelerator cpu, or leave --quantize out"
+    assert exited.value.code == message
+
+
+def test_quantize_reaches_every_worker_on_the_cpu(tiny_demo_run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # serve() hands the scheme and the CPU to the server (auto would pick a GPU where there is one); each API's worker
+    # then loads the model with int8 linears.
+    from torch_handle import server as server_module
+    from torch_handle.quantize import Int8Attention
+
+    built: list[server_module.ls.LitServer] = []
+    original = server_module.build_server
+
+    def build(*args: object) -> server_module.ls.LitServer:
+        assert args[3:] == ("cpu", "int8"), args  # the accelerator, the scheme
+        built.append(original(*args))  # type: ignore[arg-type]
+        monkeypatch.setattr(built[-1], "run", lambda **kwargs: None)
+        return built[-1]
+
+    monkeypatch.setattr(server_module, "build_server", build)
+    serve.serve(str(tiny_demo_run), quantize="int8")
+    for api in built[0].lit_api:
+        api.setup("cpu")
+        assert any(isinstance(module, Int8Attention) for module in api.model.model.modules())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_quantized_server_answers_as_load_with_quantize(tiny_demo_run: Path) -> None:
+    import torch_handle
+
+    model = torch_handle.load(tiny_demo_run, quantize="int8")
+    process, url = start_server(str(tiny_demo_run), "--quantize", "int8", timeout=START_TIMEOUT)
+    try:
+        assert post(f"{url}/translate", {"texts": SENTENCES}) == (200, {"translations": model.translate(SENTENCES)})
+        want = model.summarize(SENTENCES[:2], num_beams=1, max_new_tokens=5)
+        body = {"texts": SENTENCES[:2], "num_beams": 1, "max_new_tokens": 5}
+        assert post(f"{url}/summarize", body) == (200, {"summaries": want})
+    finally:
+        stop_server(process)

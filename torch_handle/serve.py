@@ -31,10 +31,12 @@ def serve(
     max_chars: int = 20_000,
     accelerator: str = "auto",
     max_new_tokens: int | None = None,
+    quantize: str | None = None,
 ) -> None:
     """Serves ``model`` until interrupted; the model is loaded once here first, so a bad path is one error line.
 
     A request may ask for at most ``max_new_tokens`` (default: the model's own decoding default), within its context.
+    ``quantize="int8"`` serves the model with int8 linears (:func:`torch_handle.load`'s), on the CPU.
     """
     if not LITSERVE_AVAILABLE:
         raise SetupError('torch-handle serve needs litserve: pip install "torch-handle[serve]"')
@@ -42,10 +44,12 @@ def serve(
         raise SetupError("--max-batch-size, --max-texts and --max-chars must be >= 1, --batch-timeout >= 0")
     if max_new_tokens is not None and max_new_tokens < 1:
         raise SetupError(f"--max-new-tokens {max_new_tokens}: pass a number >= 1")
+    if quantize is not None and accelerator == "cuda":
+        raise SetupError(f"--quantize {quantize} decodes on the CPU: pass --accelerator cpu, or leave --quantize out")
     from torch_handle.api import load
     from torch_handle.server import LIMITS, build_server
 
-    loaded = load(model)
+    loaded = load(model, quantize=quantize)
     context = loaded.model.config.target_length  # the decoder's positions
     fits = None if context is None else context - 1  # <bos> takes a position
     if max_new_tokens is not None and fits is not None and max_new_tokens > fits:
@@ -58,7 +62,8 @@ def serve(
     LIMITS.max_texts, LIMITS.max_chars, LIMITS.max_new_tokens = max_texts, max_chars, cap
     LIMITS.lowered_default = cap if cap < default else None
     LIMITS.max_body_bytes = 6 * max_texts * max_chars + 65_536
-    server = build_server(model, max_batch_size, batch_timeout, accelerator)
+    where = "cpu" if quantize is not None else accelerator
+    server = build_server(model, max_batch_size, batch_timeout, where, quantize)
     log.info("serving %s on http://%s:%d (POST /translate, /summarize; GET /health, /docs)", model, host, port)
     server.run(host=host, port=port, generate_client_file=False, log_level="info")
 
@@ -78,6 +83,9 @@ def main(args: list[str] | None = None) -> None:
         "--max-new-tokens", type=int, default=None, help="longest output a request may ask (default: the model's own)"
     )
     parser.add_argument("--accelerator", default="auto", choices=("auto", "cpu", "cuda"), help="where to decode")
+    parser.add_argument(
+        "--quantize", choices=("int8",), default=None, help="int8: the model's linears in int8, decoding on the CPU"
+    )
     options = parser.parse_args(args)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
@@ -91,6 +99,7 @@ def main(args: list[str] | None = None) -> None:
             options.max_chars,
             options.accelerator,
             options.max_new_tokens,
+            options.quantize,
         )
     except (CheckpointError, SetupError) as err:
         raise SystemExit(f"error: {err}") from err

@@ -73,14 +73,14 @@ class _TextsAPI(ls.LitAPI):
 
     method = "translate"
 
-    def __init__(self, model_path: str, **kwargs: Any) -> None:
+    def __init__(self, model_path: str, quantize: str | None = None, **kwargs: Any) -> None:
         super().__init__(api_path=f"/{self.method}", **kwargs)
-        self.model_path = model_path
+        self.model_path, self.quantize = model_path, quantize
 
     def setup(self, device: str) -> None:
         from torch_handle.api import load
 
-        self.model = load(self.model_path, device=device)
+        self.model = load(self.model_path, device=device, quantize=self.quantize)
 
     def decode_request(self, request: TextsRequest) -> TextsRequest:
         return request
@@ -174,10 +174,13 @@ class BodyLimit:
         return await self.app(scope, replay, send)
 
 
-def build_server(model_path: str, max_batch_size: int, batch_timeout: float, accelerator: str = "auto") -> ls.LitServer:
-    """A LitServer with ``/translate`` and ``/summarize`` (one worker each), ``/health`` and OpenAPI docs."""
+def build_server(
+    model_path: str, max_batch_size: int, batch_timeout: float, accelerator: str = "auto", quantize: str | None = None
+) -> ls.LitServer:
+    """A LitServer with ``/translate`` and ``/summarize`` (one worker each), ``/health`` and OpenAPI docs; the model
+    loaded with ``quantize`` (see :func:`torch_handle.load`)."""
     apis = [
-        api(model_path, max_batch_size=max_batch_size, batch_timeout=batch_timeout)
+        api(model_path, quantize, max_batch_size=max_batch_size, batch_timeout=batch_timeout)
         for api in (TranslateAPI, SummarizeAPI)
     ]
     server = ls.LitServer(apis, accelerator=accelerator, devices=1, workers_per_device=1, timeout=600)
