@@ -21,6 +21,7 @@ import yaml
 from conftest import TINY_MODEL_ARGS
 
 from tests.helpers import RUN_TIMEOUT
+from torch_handle import cli as cli_module
 from torch_handle.cli import main
 from torch_handle.commands import PACKAGE, typed_command
 from torch_handle.data.tokenizer import Tokenizer
@@ -173,6 +174,24 @@ def test_bad_predict_file_writes_no_predictions(tiny_demo_run: Path, tmp_path: P
         }[case]
     )
     assert set(tiny_demo_run.glob("predictions-*.txt")) == written
+
+
+def test_ctrl_c_in_setup_is_one_line_and_exit_130(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C before any trainer runs (reading data, training the tokenizer): one line, no traceback, as a shell
+    reports an interrupted command."""
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_module, "main", interrupted)
+    with pytest.raises(SystemExit) as exit_:
+        cli_module.command()
+    assert exit_.value.code == 130
+    assert capsys.readouterr().err == (
+        "stopped by SIGINT (Ctrl-C) during setup, before training or decoding began: nothing to save\n"
+    )
 
 
 @pytest.mark.slow

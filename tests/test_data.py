@@ -417,6 +417,15 @@ def test_summarization_reads_a_query_before_the_document_and_every_reference(tmp
     with pytest.raises(DataError) as err:
         dm.setup("test")
     _assert_one_line_error(err, f"{no_query}:1: no field 'query'", "--data.query_field")
+    plain = tmp_path / "plain.txt"
+    plain.write_text("a meeting transcript, one document a line\n")
+    dm = SummarizationDataModule(train_file=str(test), predict_file=str(plain), query_field="query", bpe_vocab_size=300)
+    with pytest.raises(DataError) as err:
+        dm.setup("predict")
+    assert str(err.value) == (
+        f"{plain} is plain text, which holds no 'query' to ask: write JSON lines with 'query' and 'document', or pass "
+        "--data.init_args.query_field null"
+    )
 
 
 class _EpochRecorder(pl.LightningModule):

@@ -8,6 +8,7 @@ import logging
 import re
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -172,3 +173,16 @@ def test_truncation_is_reported_only_where_documents_are_cut(tmp_path: Path, cap
     ]
     cut = [flag for batch in data.test_dataloader() for flag in batch["src_truncated"]]
     assert sorted(cut) == [False, True]  # the module summarizes the long one hierarchically
+
+
+def test_a_model_that_cuts_long_documents_has_their_truncation_warned(tmp_path: Path) -> None:
+    """``--model.long_documents cut`` (the shipped summarization config's): test and predict cut as training does,
+    and say so, not that they read the documents whole."""
+    path = _jsonl(tmp_path / "docs.jsonl", ["a short story", " ".join(f"word{i}" for i in range(100))])
+    data = SummarizationDataModule(
+        train_file=str(path), test_file=str(path), predict_file=str(path), bpe_vocab_size=300, max_source_tokens=16
+    )
+    data.trainer = SimpleNamespace(lightning_module=SimpleNamespace(hparams=SimpleNamespace(long_documents="cut")))
+    for stage in ("test", "predict"):
+        with pytest.warns(UserWarning, match=rf"^{re.escape(str(path))}: truncated 1 of 2 sources to 15 tokens"):
+            data.setup(stage)

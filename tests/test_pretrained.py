@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
+import pickle
 import re
 import shutil
 from collections.abc import Callable
@@ -360,6 +362,101 @@ def test_a_hostile_bin_runs_nothing(shape: str, tmp_path: Path) -> None:
         torch_handle.load(folder)
     assert "\n" not in str(error.value) and "pytorch_model.bin" in str(error.value)
     assert not marker.exists()
+
+
+def _torch_zip(data: bytes) -> bytes:
+    buffer = io.BytesIO()
+    torch.save({"weight": torch.zeros(len(data) // 4)}, buffer)
+    return buffer.getvalue()
+
+
+DAMAGED = {  # what a model.safetensors may hold that safetensors cannot read; as large as the weights it replaces
+    "truncated": lambda data: data[: len(data) // 2],
+    "torch-zip": _torch_zip,
+    "pickle": lambda data: pickle.dumps(bytes(len(data))),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGED))
+def test_a_damaged_safetensors_file_is_refused_in_one_line(damage: str, tmp_path: Path) -> None:
+    folder = tmp_path / "model"
+    _save("bart", "safetensors", folder)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(DAMAGED[damage](weights.read_bytes()))
+    with pytest.raises(CheckpointError) as error:
+        torch_handle.load(folder)
+    assert re.fullmatch(
+        rf"{re.escape(str(weights))} is not a safetensors file \([^\n]+\): download the folder again", str(error.value)
+    ), str(error.value)
+    with pytest.raises(SystemExit) as exit_:
+        export_main([str(folder), str(tmp_path / "out.safetensors")])
+    assert exit_.value.code == f"error: {error.value}"
+
+
+MALFORMED = {  # a file of the folder, what is written over its values, the line after the folder's name
+    "model_type": ("config.json", {"model_type": ["bart"]}, "model_type ['bart'] is not supported; supported: "),
+    "d_model": ("config.json", {"d_model": "32"}, "d_model must be an integer, got '32'"),
+    "num_beams": (
+        "generation_config.json",
+        {"num_beams": "4", "max_length": 12.5},
+        "the decoding settings ['max_length', 'num_beams'] have the wrong type: pass a folder written by "
+        "save_pretrained",
+    ),
+}
+
+
+@pytest.mark.parametrize("field", list(MALFORMED))
+def test_a_value_of_the_wrong_type_is_named_in_one_line(field: str, tmp_path: Path) -> None:
+    _save("bart", "safetensors", tmp_path)
+    name, values, line = MALFORMED[field]
+    (tmp_path / name).write_text(json.dumps(json.loads((tmp_path / name).read_text()) | values))
+    with pytest.raises(CheckpointError) as error:
+        torch_handle.load(tmp_path)
+    assert str(error.value).startswith(f"{tmp_path}: {line}"), str(error.value)
+
+
+def test_an_index_mapping_tensors_to_lists_is_refused_in_one_line(tmp_path: Path) -> None:
+    _save("bart", "sharded", tmp_path)
+    index = tmp_path / "model.safetensors.index.json"
+    content = json.loads(index.read_text())
+    content["weight_map"] = {name: [shard] for name, shard in content["weight_map"].items()}
+    index.write_text(json.dumps(content))
+    with pytest.raises(CheckpointError) as error:
+        torch_handle.load(tmp_path)
+    assert str(error.value) == (
+        f"{index} maps tensors to shards that are not file names: pass a save_pretrained folder"
+    )
+
+
+def test_a_folder_without_max_length_generates_as_many_tokens_as_transformers(tmp_path: Path) -> None:
+    """transformers 5 then generates 20 new tokens (a max_length, when given, counts the start token)."""
+    path, _, tok = _save("bart", "safetensors", tmp_path)
+    generation = json.loads((path / "generation_config.json").read_text())
+    del generation["max_length"]
+    (path / "generation_config.json").write_text(json.dumps(generation))
+    hf = transformers.AutoModelForSeq2SeqLM.from_pretrained(path).eval()
+    expected = hf.generate(**tok(TEXTS, return_tensors="pt", padding=True), num_beams=1)[:, 1:]
+    assert expected.shape[1] == 20, "no output reaches the length limit"
+    assert load_pretrained(path)[2].max_new_tokens == 20
+    assert_generate_matches(path, tok, expected, num_beams=1)
+
+
+@pytest.mark.parametrize("form", ["safetensors", "hf"])
+def test_export_writes_a_hugging_face_folder_as_load_reads_it(form: str, tmp_path: Path) -> None:
+    """``torch-handle export FOLDER``: the export decodes as the folder does, with its decoding defaults; ``average``
+    names the folder for what it is."""
+    path, _, _ = _save("bart", "safetensors", tmp_path / "in")
+    out = tmp_path / ("out.safetensors" if form == "safetensors" else "out")
+    export_main([str(path), str(out), "--format", form])
+    original, exported = torch_handle.load(path), torch_handle.load(out)
+    assert exported.decoding == original.decoding
+    assert exported.translate(TEXTS, num_beams=4) == original.translate(TEXTS, num_beams=4)
+    with pytest.raises(SystemExit) as error:
+        main(["average", str(path), str(path), "--out", str(tmp_path / "avg.ckpt")])
+    assert error.value.code == (
+        f"error: {path} is a Hugging Face model folder, not a training checkpoint: pass a .ckpt path, or start a run "
+        "from it with --model.init_from"
+    )
 
 
 TARGETS = ["w3 w2 w1", "w6 w6", "w13 w12 w11", "w24", "w41 w40 w40 w41"]

@@ -12,9 +12,10 @@ import torch
 from tests.test_pretrained import TEXTS, _save
 from tests.test_pretrained_marian import _folder
 from tests.test_pretrained_t5 import _save as _save_t5
-from torch_handle.ctranslate2 import ExportError
+from torch_handle.export.__main__ import main as export_main
 from torch_handle.pretrained import load_pretrained
 from torch_handle.pretrained.ctranslate2 import write_converted
+from torch_handle.pretrained.writer import export_folder
 
 ctranslate2 = pytest.importorskip("ctranslate2")
 
@@ -69,14 +70,21 @@ def translator_has_start(out: Path) -> bool:
     return json.loads((out / "config.json").read_text()).get("decoder_start_token") is not None
 
 
-def test_what_ctranslate2_converts_apart_is_refused_in_one_line(tmp_path: Path) -> None:
-    """Marian with separate vocabularies (one vocabulary in CTranslate2) and T5 with its own output layer (converted,
-    its outputs were scaled as a tied layer's: measured with CTranslate2 4.8.5) are refused before anything is
-    written."""
-    path, _, _ = _folder(tmp_path / "in", tmp_path / "spm", pad_bias=-20.0, separate=True)
-    with pytest.raises(ExportError, match="^separate source and target vocabularies: CTranslate2's Marian"):
-        write_converted(*load_pretrained(path), tmp_path / "ct2")
-    path, _, _ = _save_t5("t5-v1.1", tmp_path / "t5")
-    with pytest.raises(ExportError, match=r"^tie_embeddings=False \(T5 v1.1, Flan-T5, mT5\): CTranslate2 4.8 scales"):
-        write_converted(*load_pretrained(path), tmp_path / "ct2")
-    assert not (tmp_path / "ct2").exists()
+@pytest.mark.parametrize("source", ["folder", "export"])
+@pytest.mark.parametrize("kind", ["marian-separate", "t5-v1.1", "mt5-tied"])
+def test_what_ctranslate2_converts_apart_is_refused_in_one_line(kind: str, source: str, tmp_path: Path) -> None:
+    """Marian with separate vocabularies (one vocabulary in CTranslate2) and a T5 whose output is not scaled
+    (converted, its outputs were scaled: measured with CTranslate2 4.8.5) are refused with CTranslate2's reason
+    before anything is written, from the Hugging Face folder and from an export of it (as a fine-tuned run's)."""
+    if kind == "marian-separate":
+        path, _, _ = _folder(tmp_path / "in", tmp_path / "spm", pad_bias=-20.0, separate=True)
+        reason = "separate source and target vocabularies: CTranslate2's Marian converter writes one vocabulary; "
+    else:
+        path, _, _ = _save_t5(kind, tmp_path / "in")
+        reason = "scale_decoder_output=False (T5 v1.1, Flan-T5, mT5): CTranslate2 4.8 scales T5's output when "
+    if source == "export":
+        path = export_folder(path, tmp_path / "model.safetensors")
+    with pytest.raises(SystemExit) as error:
+        export_main([str(path), str(tmp_path / "ct2"), "--format", "ctranslate2"])
+    assert str(error.value.code).startswith(f"error: {reason}"), error.value.code
+    assert "\n" not in str(error.value.code) and not (tmp_path / "ct2").exists()

@@ -35,6 +35,8 @@ KINDS = {  # model class, config class, feed-forward, whether the folder keeps i
     "t5-v1.0": (transformers.T5ForConditionalGeneration, transformers.T5Config, "relu", False),
     "t5-v1.1": (transformers.T5ForConditionalGeneration, transformers.T5Config, "gated-gelu", True),
     "mt5": (transformers.MT5ForConditionalGeneration, transformers.MT5Config, "gated-gelu", True),
+    # as transformers 5 saves an mT5 it built: tied, and never scaled
+    "mt5-tied": (transformers.MT5ForConditionalGeneration, transformers.MT5Config, "gated-gelu", False),
 }
 
 
@@ -100,7 +102,11 @@ def test_encoder_output_and_logits_match_transformers(folder: tuple[Path, object
     path, hf, tok = folder
     ours, _, _ = load_pretrained(path)
     c = ours.eval().config
-    assert (c.tie_embeddings, c.scale_decoder_output) == ((True, True) if "v1.0" in path.name else (False, False))
+    tied = hf.lm_head.weight is hf.shared.weight
+    assert (c.tie_embeddings, c.scale_decoder_output) == (tied, getattr(hf.config, "scale_decoder_outputs", False))
+    assert (tied, c.scale_decoder_output) == {"t5-v1.0": (True, True), "mt5-tied": (True, False)}.get(
+        path.name[:-1], (False, False)
+    )
     assert_logits_match(path, hf, tok, length=14)
 
 
@@ -144,7 +150,7 @@ def test_init_from_trains_on_transformers_loss(tmp_path: Path) -> None:
     assert_first_loss_matches(*_save("t5-v1.1", tmp_path))
 
 
-@pytest.mark.parametrize("kind", ["t5-v1.0", "t5-v1.1"])
+@pytest.mark.parametrize("kind", ["t5-v1.0", "t5-v1.1", "mt5-tied"])
 def test_hf_export_round_trips_through_transformers(kind: str, tmp_path: Path) -> None:
     """--format hf: transformers loads what we write, its tokenizer encodes as the original's, and its generate
     equals the original's (so ours too)."""
@@ -152,14 +158,15 @@ def test_hf_export_round_trips_through_transformers(kind: str, tmp_path: Path) -
 
 
 def test_hf_export_names_the_t5_obstacle(tmp_path: Path) -> None:
+    """A scaled decoder output beside an output layer of its own: transformers' T5 has no such model."""
     path, _, _ = _save("t5-v1.0", tmp_path / "in")
     model, tokenizer, decoding = load_pretrained(path)
-    model = Transformer(dataclasses.replace(model.config, scale_decoder_output=False))
+    model = Transformer(dataclasses.replace(model.config, tie_embeddings=False))
     with pytest.raises(ExportError) as error:
         write_hf(model, tokenizer, decoding, tmp_path / "out")
     assert str(error.value) == (
-        "scale_decoder_output=False with tie_embeddings=True: T5 scales the decoder output exactly when its output "
-        "projection is the embedding"
+        "scale_decoder_output=True with tie_embeddings=False: transformers' T5 scales the decoder output only when "
+        "its output projection is the embedding"
     )
 
 

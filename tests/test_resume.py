@@ -344,6 +344,30 @@ def test_resume_from_an_epoch_end_checkpoint_trains_the_next_epoch_exactly(until
         assert torch.equal(weights(reference)[name], tensor), name
 
 
+@pytest.mark.slow
+def test_a_run_that_max_steps_stopped_mid_epoch_extends_as_one_run(tmp_path: Path) -> None:
+    """Stopped by ``max_steps`` mid-epoch, then resumed with a larger ``max_steps``: Lightning counted the unfinished
+    epoch as complete at the stop, so the run went on one epoch ahead (the next epoch's order, the epoch count, the
+    checkpoint names)."""
+    flat = ["--model.warmup_steps", "1", "--model.min_lr_ratio", "1.0"]  # a schedule max_steps does not shape
+
+    def args(root: Path, steps: int) -> list[str]:
+        return [*demo_args(1, root), *flat, "--trainer.max_steps", str(steps)]
+
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    check(cli(args(reference, 52)))
+    check(cli(args(resumed, 42)))  # an epoch is 30 steps; last.ckpt is written at the stop, between saves
+    check(cli([*args(resumed, 52), "--ckpt_path", "last"]))
+    states = [torch.load(run / "checkpoints" / "last.ckpt", weights_only=True) for run in (reference, resumed)]
+    assert states[1]["epoch"] == states[0]["epoch"] == 1
+    loaders = [state["loops"]["fit_loop"]["state_dict"]["combined_loader"] for state in states]
+    assert loaders[1] == loaders[0] == [{"epoch": 1, "batches_done": 22}]
+    assert batches_run(resumed) == batches_run(reference)
+    for name, tensor in weights(reference).items():
+        assert torch.equal(weights(resumed)[name], tensor), name
+    assert logging_step(resumed) == logging_step(reference)
+
+
 def test_configure_optimizers_leaves_the_train_loader_to_the_fit_loop() -> None:
     """``estimated_stepping_batches`` builds the train loader; built before the checkpoint is restored, Lightning
     never repositions it, and a resumed epoch restarts at batch 0. The schedule reads it at the first step."""

@@ -5,7 +5,10 @@ request with the server still serving after them."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -15,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.bench_serve import start_server, stop_server
+from tests.test_resume import group_members
 from torch_handle import serve
 from torch_handle.server import LIMITS, TextsRequest
 
@@ -202,5 +206,24 @@ def test_a_quantized_server_answers_as_load_with_quantize(tiny_demo_run: Path) -
         want = model.summarize(SENTENCES[:2], num_beams=1, max_new_tokens=5)
         body = {"texts": SENTENCES[:2], "num_beams": 1, "max_new_tokens": 5}
         assert post(f"{url}/summarize", body) == (200, {"summaries": want})
+    finally:
+        stop_server(process)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sigterm_to_the_server_alone_stops_its_workers_too(tiny_demo_run: Path) -> None:
+    """``kill PID`` (a supervisor, ``docker stop``) reaches the main process only: the server shuts down as Ctrl-C
+    does, where the default action left its workers answering on the port."""
+    process, url = start_server(str(tiny_demo_run), "--accelerator", "cpu", timeout=START_TIMEOUT)
+    try:
+        os.kill(process.pid, signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+        deadline = time.monotonic() + 30
+        while group_members(process.pid):
+            assert time.monotonic() < deadline, f"still running: {group_members(process.pid)}"
+            time.sleep(0.5)
+        with pytest.raises(OSError):
+            urllib.request.urlopen(f"{url}/health", timeout=5)
     finally:
         stop_server(process)

@@ -70,6 +70,11 @@ def check_checkpoint(path: str | Path) -> Path:
         check_globals(pickled, path, path)
         return path
     if path.is_dir() and not (is_deepspeed_checkpoint(path) or (path / ".metadata").is_file()):
+        if (path / "config.json").is_file():
+            raise CheckpointError(
+                f"{path} is a Hugging Face model folder, not a training checkpoint: pass a .ckpt path, or start a "
+                "run from it with --model.init_from"
+            )
         raise CheckpointError(f"{path} is a folder but not a DeepSpeed or FSDP checkpoint: pass a .ckpt path")
     if is_deepspeed_checkpoint(path):
         deepspeed_tag(path)

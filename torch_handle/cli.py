@@ -197,6 +197,11 @@ def command() -> None:
     processes' lines could interleave."""
     try:
         main()
+    except KeyboardInterrupt:  # in training, Ctrl-C saves and stops (ModelCheckpoint); here, no trainer has run yet
+        sys.stderr.write(
+            "stopped by SIGINT (Ctrl-C) during setup, before training or decoding began: nothing to save\n"
+        )
+        sys.exit(130)
     except SystemExit as exit_:
         if not isinstance(exit_.code, str):
             raise

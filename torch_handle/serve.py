@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
+from collections.abc import Callable
 
 from lightning_utilities.core.imports import RequirementCache
 
@@ -65,7 +68,26 @@ def serve(
     where = "cpu" if quantize is not None else accelerator
     server = build_server(model, max_batch_size, batch_timeout, where, quantize)
     log.info("serving %s on http://%s:%d (POST /translate, /summarize; GET /health, /docs)", model, host, port)
-    server.run(host=host, port=port, generate_client_file=False, log_level="info")
+    previous = signal.signal(signal.SIGTERM, _stop_as_ctrl_c(os.getpid()))
+    try:
+        server.run(host=host, port=port, generate_client_file=False, log_level="info")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _stop_as_ctrl_c(server_pid: int) -> Callable[[int, object], None]:
+    """SIGTERM to the server's process (``kill PID``, ``docker stop``) shuts it down as Ctrl-C does: litserve stops
+    its workers and frees the port, where the default action would end this process alone and leave them serving."""
+
+    def stop(signum: int, frame: object) -> None:
+        if os.getpid() != server_pid:  # a worker forked from here ends as it would have
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        log.info("SIGTERM: stopping the server and its workers")
+        raise KeyboardInterrupt
+
+    return stop
 
 
 def main(args: list[str] | None = None) -> None:

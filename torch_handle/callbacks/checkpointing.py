@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 import json
-import logging
 import os
 import signal
 import sys
@@ -30,7 +29,6 @@ from torch_handle.atomic import atomic_path, atomic_write_text, remove_leftovers
 from torch_handle.callbacks.rng import get_rng_states, set_rng_states
 from torch_handle.checkpoints import CONFIG_FILE, TOKENIZER_FILE, CheckpointError
 
-log = logging.getLogger(__name__)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # preemption, and a user's Ctrl-C
 RNG_KEY = "rng_states"  # one entry per global rank
 
@@ -230,10 +228,10 @@ class Checkpoint(ModelCheckpoint):
         """Saves ``last.ckpt`` and ends the job with the status a shell reports for a process ended by ``signum``."""
         if trainer.global_step != self._last_global_step_saved or not self.last_model_path:
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
-        if trainer.is_global_zero:
-            log.warning(
+        if trainer.is_global_zero:  # written as is: a library may have given the root logger a prefix
+            sys.stderr.write(
                 f"stopped by {signum.name} at step {trainer.global_step}: saved {self.last_model_path}; rerun the "
-                "same command with --ckpt_path last to continue"
+                "same command with --ckpt_path last to continue\n"
             )
         if exception is not None:
             exception.code = 128 + signum

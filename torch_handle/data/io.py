@@ -226,11 +226,16 @@ def read_documents(path: str | Path, field: str, setting: str) -> list[Record]:
         field: The JSON field holding the document.
         setting: The option that names ``field``, for error messages.
     """
-    lines = read_text(path).split("\n")
-    first = next(line for line in lines if line.strip())
-    if _is_json_object(first):
+    if is_json_lines(path):
         return read_jsonl(path, [field], {field: setting})
+    lines = read_text(path).split("\n")
     return [Record({field: line.strip()}, line_no) for line_no, line in enumerate(lines, start=1) if line.strip()]
+
+
+def is_json_lines(path: str | Path) -> bool:
+    """Whether the file's first non-blank line is a JSON object: how :func:`read_documents` tells JSON lines from
+    plain text."""
+    return _is_json_object(next(line for line in read_text(path).split("\n") if line.strip()))
 
 
 def _regular_file(path: str | Path) -> Path:

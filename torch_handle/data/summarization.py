@@ -8,7 +8,7 @@ from typing_extensions import override
 
 from torch_handle.data.base import Seq2SeqDataModule, Split, TextSplit
 from torch_handle.data.corpora import missing
-from torch_handle.data.io import Record, chunked, read_documents, read_jsonl, stream_jsonl
+from torch_handle.data.io import Record, chunked, is_json_lines, read_documents, read_jsonl, stream_jsonl
 from torch_handle.errors import DataError
 
 QUERY_SEPARATOR = "\n\n"  # SCROLLS's: the query, a blank line, then the document
@@ -26,7 +26,13 @@ class SummarizationDataModule(Seq2SeqDataModule):
     With ``query_field: query`` the input is the query, a blank line, then the document, as SCROLLS poses QMSum.
     """
 
-    whole_source_splits = ("test", "predict")  # longer documents are summarized hierarchically, never cut
+    @property
+    def whole_source_splits(self) -> tuple[Split, ...]:  # type: ignore[override]
+        """Test and predict summarize longer documents hierarchically, unless the model cuts them
+        (``--model.long_documents cut``): its truncation is then warned as training's is."""
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        cut = getattr(getattr(module, "hparams", None), "long_documents", "windows") == "cut"
+        return () if cut else ("test", "predict")
 
     def __init__(
         self,
@@ -118,6 +124,11 @@ class SummarizationDataModule(Seq2SeqDataModule):
         if split == "predict" and self.query_field is None:
             records = read_documents(path, self.document_field, settings[self.document_field])
         elif split == "predict":
+            if not is_json_lines(path):
+                raise DataError(
+                    f"{path} is plain text, which holds no {self.query_field!r} to ask: write JSON lines with "
+                    f"{self.query_field!r} and {self.document_field!r}, or pass --data.init_args.query_field null"
+                )
             records = read_jsonl(path, fields, settings)
         else:
             records = read_jsonl(path, [*fields, self.summary_field], settings, lists=[self.references_field])

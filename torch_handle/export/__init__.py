@@ -11,7 +11,8 @@ settings were stored still load, with :class:`Decoding`'s defaults.
 The attention backend is not part of an export (it is written as ``auto``): the loading machine picks its own,
 so a model trained with xformers on a GPU loads on a CPU. A damaged or foreign file is refused in one line.
 ``--format ctranslate2`` writes a CTranslate2 model folder instead (:func:`export_ctranslate2`), ``--format hf`` a
-Hugging Face one (:func:`torch_handle.pretrained.writer.export_hf`).
+Hugging Face one (:func:`torch_handle.pretrained.writer.export_hf`). The command also takes a Hugging Face model
+folder, read as :func:`torch_handle.load` reads it (:func:`torch_handle.pretrained.writer.export_folder`).
 """
 
 from torch_handle.export.exported import (
@@ -23,6 +24,7 @@ from torch_handle.export.exported import (
     exported_metadata,
     exported_weights,
     fill_exported,
+    has_type,
     is_exported,
     load_exported,
     meta_shell,
@@ -51,6 +53,7 @@ __all__ = [
     "exported_metadata",
     "exported_weights",
     "fill_exported",
+    "has_type",
     "is_exported",
     "load_exported",
     "merged_checkpoint",

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+from functools import partial
+from pathlib import Path
 
 from torch_handle.checkpoints import CheckpointError
 from torch_handle.commands import typed_command
@@ -17,8 +19,8 @@ def main(args: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog=typed_command("export"), description=EXPORT_DOC.splitlines()[0])
     parser.add_argument(
         "checkpoint",
-        help="a .ckpt file, or a DeepSpeed, FSDP, tensor- or pipeline-parallel checkpoint folder (ctranslate2 and hf: "
-        "also a .safetensors export)",
+        help="a .ckpt file, a DeepSpeed, FSDP, tensor- or pipeline-parallel checkpoint folder, or a Hugging Face "
+        "model folder (ctranslate2 and hf: also a .safetensors export)",
     )
     parser.add_argument(
         "output", help="the safetensors file to write, or the CTranslate2 or Hugging Face folder to create"
@@ -35,9 +37,12 @@ def main(args: list[str] | None = None) -> None:
     )
     options = parser.parse_args(args)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from torch_handle.pretrained.writer import export_hf  # it imports the export package
+    from torch_handle.pretrained.reader import is_pretrained_folder  # it imports the export package
+    from torch_handle.pretrained.writer import export_folder, export_hf
 
     write = {"ctranslate2": export_ctranslate2, "hf": export_hf}.get(options.format, export)
+    if is_pretrained_folder(Path(options.checkpoint)):
+        write = partial(export_folder, form=options.format)
     try:
         write(options.checkpoint, options.output)
     except (CheckpointError, ExportError) as err:

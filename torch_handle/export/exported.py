@@ -180,7 +180,7 @@ def _exported_config(path: Path, text: str | None, redo: str) -> TransformerConf
     unknown, missing = sorted(fields.keys() - hints.keys()), sorted(hints.keys() - fields.keys())
     if unknown or missing:
         raise CheckpointError(f"{path}: transformer config has unknown fields {unknown}, missing {missing}: {redo}")
-    wrong = [name for name, value in fields.items() if not _has_type(value, hints[name])]
+    wrong = [name for name, value in fields.items() if not has_type(value, hints[name])]
     if wrong:
         raise CheckpointError(f"{path}: transformer config fields {wrong} have the wrong type: {redo}")
     try:
@@ -207,21 +207,21 @@ def exported_decoding(path: str | Path, config: TransformerConfig) -> Decoding:
     if not isinstance(values, dict):
         raise CheckpointError(f"{path} holds no decoding settings object in its metadata: {redo}")
     hints = get_type_hints(Decoding)
-    wrong = sorted(name for name, hint in hints.items() if name in values and not _has_type(values[name], hint))
+    wrong = sorted(name for name, hint in hints.items() if name in values and not has_type(values[name], hint))
     if wrong:
         raise CheckpointError(f"{path}: decoding settings {wrong} have the wrong type: {redo}")
     return Decoding.read(values, config)
 
 
-def _has_type(value: Any, hint: Any) -> bool:
+def has_type(value: Any, hint: Any) -> bool:
     """Whether a JSON value fits a config field's annotation (``int``, ``float``, ``bool``, ``Literal``, ``list[X]``,
     ``| None``)."""
     if get_origin(hint) is Literal:
         return value in get_args(hint)
     if get_origin(hint) is list:  # suppress_ids: an imported model's tokens never generated
-        return isinstance(value, list) and all(_has_type(item, get_args(hint)[0]) for item in value)
+        return isinstance(value, list) and all(has_type(item, get_args(hint)[0]) for item in value)
     if get_args(hint):  # X | None
-        return any(_has_type(value, option) for option in get_args(hint))
+        return any(has_type(value, option) for option in get_args(hint))
     if hint is type(None):
         return value is None
     if hint is float:

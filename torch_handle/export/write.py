@@ -207,9 +207,10 @@ def export_ctranslate2(checkpoint: str | Path, out_dir: str | Path) -> Path:
     reason = unsupported(config)  # before building the model: a refusal costs nothing
     if reason is not None:  # an imported family's model goes through CTranslate2's own converter
         from torch_handle.pretrained.ctranslate2 import converted_family, write_converted  # it imports this package
+        from torch_handle.pretrained.writer import hf_family
 
-        if converted_family(config)[0] is None:
-            raise ExportError(reason)
+        if converted_family(config)[0] is None:  # an imported family's obstacle, else why ours cannot
+            raise ExportError(converted_family(config)[1] if hf_family(config)[0] else reason)
     model = empty_model(config)
     model.load_state_dict(weights, strict=True)
     if reason is not None:

@@ -41,6 +41,10 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "encoder_attention": ("full", "local", "longformer"),
     "attention_backend": ("auto", "naive", "sdpa", "flex", "xformers"),
 }
+_INTEGERS = (  # the sizes every model reads
+    "src_vocab_size", "tgt_vocab_size", "d_model", "num_heads", "d_ff", "max_len", "num_encoder_layers",
+    "num_decoder_layers",
+)  # fmt: skip
 
 
 @dataclass
@@ -173,6 +177,9 @@ class TransformerConfig:
         for name, choices in _CHOICES.items():
             if getattr(self, name) not in choices:
                 raise ConfigError(f"{name}={getattr(self, name)!r} is not one of {choices}")
+        for name in _INTEGERS:  # a JSON string such as "64" would otherwise fail as a comparison, naming nothing
+            if not isinstance(getattr(self, name), int) or isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be an integer, got {getattr(self, name)!r}")
         for name in ("src_vocab_size", "tgt_vocab_size", "d_model", "num_heads", "d_ff", "max_len"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

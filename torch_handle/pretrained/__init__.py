@@ -17,7 +17,7 @@ from typing import Any
 
 from torch_handle.checkpoints import CheckpointError
 from torch_handle.data.tokenizer import Specials, Tokenizer, pretrained_tokenizer, read_tokenizer
-from torch_handle.export import Decoding, empty_model, meta_shell
+from torch_handle.export import Decoding, empty_model, has_type, meta_shell
 from torch_handle.model import Transformer
 from torch_handle.model.config import ConfigError, TransformerConfig
 from torch_handle.pretrained import bart, led, marian, t5
@@ -44,10 +44,11 @@ FAMILIES: dict[str, Callable[[dict[str, Any], dict[str, Any]], TransformerConfig
     "t5": t5.config,
     "mt5": t5.config,
 }
-_DECODING = (  # the decoding defaults read, from generation_config.json or else from config.json
-    "num_beams", "max_length", "length_penalty", "no_repeat_ngram_size", "repetition_penalty", "min_length",
-    "min_new_tokens", "do_sample", "temperature", "top_k", "top_p",
-)  # fmt: skip
+_DECODING: dict[str, Any] = {  # the decoding defaults read (from generation_config.json, else config.json), typed
+    "num_beams": int, "max_length": int, "length_penalty": float, "no_repeat_ngram_size": int,
+    "repetition_penalty": float, "min_length": int, "min_new_tokens": int, "do_sample": bool, "temperature": float,
+    "top_k": int, "top_p": float,
+}  # fmt: skip
 _TASKS = {"marian": "translation"}  # what ``Model.summarize``'s long-document path and ``test`` assume
 
 
@@ -55,7 +56,8 @@ def pretrained_config(folder: Path) -> tuple[TransformerConfig, Decoding, dict[s
     """The folder's model config, its decoding defaults, and its generation config as read."""
     hf = read_json(folder / CONFIG)
     generation = read_json(folder / GENERATION, required=False)
-    family = FAMILIES.get(hf.get("model_type", ""))
+    model_type = hf.get("model_type")
+    family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
     if family is None:
         raise CheckpointError(
             f"{folder}: model_type {hf.get('model_type')!r} is not supported; supported: {', '.join(sorted(FAMILIES))}"
@@ -64,17 +66,29 @@ def pretrained_config(folder: Path) -> tuple[TransformerConfig, Decoding, dict[s
         config = family(hf, generation)
         if config.position == "relative":  # T5: the weights tell whether the head is tied (see t5.untie)
             config = t5.untie(config, weight_names(folder))
-    except (ConfigError, KeyError, TypeError) as err:
-        reason = f"config.json lacks {err}" if isinstance(err, KeyError) else str(err)
-        raise CheckpointError(f"{folder}: {reason}") from None
+    except KeyError as err:
+        raise CheckpointError(f"{folder}: config.json lacks {err}") from None
+    except TypeError as err:  # a value of another JSON type than the family reads
+        reason = f"config.json holds a value of the wrong type ({err})"
+        raise CheckpointError(f"{folder}: {reason}: pass a folder written by save_pretrained") from None
+    except ConfigError as err:
+        raise CheckpointError(f"{folder}: {err}") from None
     _check_size(folder, config)
     given = {name: hf[name] for name in _DECODING if name in hf} | generation  # older folders keep them in config.json
-    max_length = given.get("max_length", 20)  # transformers' default; it counts the decoder's start token
+    wrong = sorted(
+        name for name, hint in _DECODING.items() if given.get(name) is not None and not has_type(given[name], hint)
+    )
+    if wrong:
+        raise CheckpointError(
+            f"{folder}: the decoding settings {wrong} have the wrong type: pass a folder written by save_pretrained"
+        )
+    # max_length counts the decoder's start token; unset, transformers 5 generates 20 new tokens
+    new_tokens = 20 if given.get("max_length") is None else given["max_length"] - 1
     decoding = Decoding(
         task=_TASKS.get(hf["model_type"], "summarization"),
         max_source_tokens=config.max_len,
         num_beams=given.get("num_beams", 1),
-        max_new_tokens=min(max_length, config.target_length or config.max_len) - 1,
+        max_new_tokens=min(new_tokens, (config.target_length or config.max_len) - 1),
         length_penalty=given.get("length_penalty", 1.0),
         **generation_controls(given),
     )

@@ -28,9 +28,9 @@ def converted_family(config: TransformerConfig) -> tuple[str | None, str]:
         return None, reason
     if family not in CONVERTED:
         return None, f"CTranslate2 has no converter for {family} models: export --format hf and use transformers"
-    if family == "t5" and not config.tie_embeddings:
+    if family == "t5" and not config.scale_decoder_output:
         return None, (
-            "tie_embeddings=False (T5 v1.1, Flan-T5, mT5): CTranslate2 4.8 scales T5's output when "
+            "scale_decoder_output=False (T5 v1.1, Flan-T5, mT5): CTranslate2 4.8 scales T5's output when "
             "tie_word_embeddings is true, which transformers 5 reports for these too; export --format hf instead"
         )
     if not config.shares_source_embedding:

@@ -49,7 +49,9 @@ def _weight_files(folder: Path, name: str) -> list[Path]:
     weight_map = read_json(index).get("weight_map")
     if not isinstance(weight_map, dict):
         raise CheckpointError(f"{index} has no weight_map: pass a folder written by save_pretrained")
-    shards = [str(shard) for shard in dict.fromkeys(weight_map.values())]
+    if not all(isinstance(shard, str) for shard in weight_map.values()):
+        raise CheckpointError(f"{index} maps tensors to shards that are not file names: pass a save_pretrained folder")
+    shards = list(dict.fromkeys(weight_map.values()))
     for shard in shards:  # a bare file name; a link (the Hugging Face cache's shards point into its blobs/) is fine
         if Path(shard).name != shard or shard in ("", ".", ".."):
             raise CheckpointError(
@@ -82,9 +84,22 @@ def weight_files(folder: Path) -> list[Path]:
     for file in files:
         if not file.is_file():
             raise CheckpointError(f"{file} is listed in the index but missing: download the whole folder")
-        if file.suffix != ".safetensors":
+        if file.suffix == ".safetensors":
+            check_safetensors(file)
+        else:
             check_zip(file)
     return files
+
+
+def check_safetensors(file: Path) -> None:
+    """Refuse ``file`` unless safetensors reads its header and finds the file as long as the header says (a
+    truncated download, or another format under this name, fails here)."""
+    try:
+        with safe_open(file, framework="pt"):
+            pass
+    except Exception as err:  # safetensors raises its own error types
+        reason = " ".join(str(err).split())
+        raise CheckpointError(f"{file} is not a safetensors file ({reason}): download the folder again") from None
 
 
 def weight_names(folder: Path) -> set[str]:

@@ -164,10 +164,10 @@ def obstacle(config: TransformerConfig) -> str | None:
             return f"{name}={getattr(config, name)!r}: no Hugging Face family expresses it (T5 needs {name}={value!r})"
     if not config.shares_source_embedding:
         return "share_source_embedding=False: T5 shares one source and target embedding"
-    if config.scale_decoder_output != config.tie_embeddings:
+    if config.scale_decoder_output and not config.tie_embeddings:
         return (
-            f"scale_decoder_output={config.scale_decoder_output!r} with tie_embeddings={config.tie_embeddings!r}: "
-            "T5 scales the decoder output exactly when its output projection is the embedding"
+            "scale_decoder_output=True with tie_embeddings=False: transformers' T5 scales the decoder output only "
+            "when its output projection is the embedding"
         )
     if (config.gated_ff, config.activation) not in _PROJECTIONS.values():
         return f"activation={config.activation!r} with gated_ff=True: T5's gated block is gelu_tanh, relu or silu"
@@ -194,6 +194,7 @@ def config_json(config: TransformerConfig) -> dict[str, Any]:
         "feed_forward_proj": projection,
         "n_positions": config.max_len,
         "tie_word_embeddings": config.tie_embeddings,
+        "scale_decoder_outputs": config.scale_decoder_output,  # transformers 5 reads it; mT5 tied and unscaled
         "pad_token_id": config.pad_id,
         "eos_token_id": config.eos_id,
         "decoder_start_token_id": config.bos_id,

@@ -7,6 +7,7 @@ The tensor names are the reader's, inverted through the same mapping (:func:`tor
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +18,13 @@ from torch_handle.ctranslate2 import ExportError, check_free
 from torch_handle.data.marian import PieceTokenizer
 from torch_handle.data.tokenizer import Tokenizer
 from torch_handle.export import Decoding
+from torch_handle.export.write import write_exported
 from torch_handle.model import Transformer, TransformerConfig
 from torch_handle.model.config import WITHOUT_T5
 from torch_handle.pretrained import led, t5
 from torch_handle.pretrained.layout import hf_names, target
+
+log = logging.getLogger(__name__)
 
 # What each family fixes; a model that differs from every family gets the nearest one's first difference named.
 _FULL = {"encoder_attention": "full", "max_target_len": None}  # every family but LED
@@ -201,3 +205,23 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
     model = export.empty_model(config)
     model.load_state_dict(weights, strict=True)
     return write_hf(model, tokenizer, decoding, out_dir)
+
+
+def export_folder(folder: str | Path, output: str | Path, form: str = "safetensors") -> Path:
+    """Write the Hugging Face folder ``folder``, read as :func:`~torch_handle.pretrained.load_pretrained` reads it, as
+    ``form``: one safetensors file for :func:`torch_handle.load`, a CTranslate2 folder (CTranslate2's converter on
+    the folder :func:`write_hf` writes) or that Hugging Face folder itself."""
+    from torch_handle.pretrained import load_pretrained
+    from torch_handle.pretrained.ctranslate2 import write_converted  # it imports this module
+
+    if form != "safetensors":
+        check_free(Path(output))  # before reading weights that may be large
+    model, tokenizer, decoding = load_pretrained(folder)
+    if form == "ctranslate2":
+        return write_converted(model, tokenizer, decoding, output)
+    if form == "hf":
+        return write_hf(model, tokenizer, decoding, output)
+    weights = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}  # tied ones apart
+    write_exported(weights, model.config, tokenizer.to_str(), decoding, output)
+    log.info("exported %d tensors from %s to %s", len(weights), folder, output)
+    return Path(output)
