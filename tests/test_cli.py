@@ -176,6 +176,23 @@ def test_bad_predict_file_writes_no_predictions(tiny_demo_run: Path, tmp_path: P
     assert set(tiny_demo_run.glob("predictions-*.txt")) == written
 
 
+def test_a_wrong_data_key_names_its_class_and_where_its_options_are(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """jsonargparse reports a bad key under ``data`` (a class or None) as a Union of failures; the line keeps the
+    class's own complaint and points to its options."""
+    config = tmp_path / "typo.yaml"
+    config.write_text("data:\n  init_args:\n    train_fil: x\n")
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", "--config", "demo", "--config", str(config), f"--trainer.default_root_dir={tmp_path / 'run'}"])
+    assert exit_.value.code == 2
+    line = capsys.readouterr().err
+    data = "torch_handle.data.TranslationDataModule"
+    assert line.startswith(f"error: --data ({data}): Option 'train_fil' is not accepted (see "), line
+    assert line.endswith(f" fit --data.help {data})\n") and line.count("\n") == 1, line
+    assert not (tmp_path / "run").exists()
+
+
 def test_ctrl_c_in_setup_is_one_line_and_exit_130(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

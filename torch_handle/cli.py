@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -45,8 +46,19 @@ class OneLineErrorParser(LightningArgumentParser):
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         if not self.exit_on_error:  # jsonargparse's inner parsers raise, to be caught and retried
             super().error(message, ex)
-        sys.stderr.write(f"error: {' '.join(message.split())} (see {self.prog.replace(' [options]', '')} --help)\n")
+        text, prog = " ".join(message.split()), self.prog.replace(" [options]", "")
+        see = f"{prog} --help"
+        if match := _CLASS_OPTION.fullmatch(text):  # a bad key under --data (a class or None): the class's complaint
+            key, class_path, problem = match.groups()
+            text, see = f"--{key} ({class_path}): {problem}", f"{prog} --{key}.help {class_path}"
+        sys.stderr.write(f"error: {text} (see {see})\n")
         self.exit(2)
+
+
+_CLASS_OPTION = re.compile(
+    r'Parser key "([\w.]+)": Does not validate against any of the Union subtypes .*? Errors: - Problem with given '
+    r"class_path '([\w.]+)': (.*?) - Expected a <class 'NoneType'>.*"
+)
 
 
 def user_error(err: BaseException | None) -> BaseException | None:
