@@ -572,6 +572,18 @@ def test_hf_export_keeps_the_decoding_controls(controls: dict[str, object], tmp_
     assert load_pretrained(tmp_path / "out")[2].controls() == decoding.controls()
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_hf_export_keeps_the_run_s_source_length(family: str, tmp_path: Path) -> None:
+    """A run's ``max_source_tokens`` below the model's positions travels as the tokenizer's ``model_max_length``:
+    transformers' tokenizer truncates there, and the import reads it back."""
+    _save(family, "safetensors", tmp_path / "in")
+    model, tokenizer, decoding = load_pretrained(tmp_path / "in")
+    decoding = dataclasses.replace(decoding, max_source_tokens=decoding.max_source_tokens // 2)
+    write_hf(model, tokenizer, decoding, tmp_path / "out")
+    assert load_pretrained(tmp_path / "out")[2].max_source_tokens == decoding.max_source_tokens
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "out").model_max_length == decoding.max_source_tokens
+
+
 def test_hf_export_names_the_obstacle(tmp_path: Path) -> None:
     sizes = {"d_model": 32, "num_heads": 4, "d_ff": 64, "num_encoder_layers": 1, "num_decoder_layers": 1}
     model = Transformer(TransformerConfig(**sizes, tie_embeddings=True))  # our own architecture

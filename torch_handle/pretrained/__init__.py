@@ -84,9 +84,11 @@ def pretrained_config(folder: Path) -> tuple[TransformerConfig, Decoding, dict[s
         )
     # max_length counts the decoder's start token; unset, transformers 5 generates 20 new tokens
     new_tokens = 20 if given.get("max_length") is None else given["max_length"] - 1
+    limit = read_json(folder / "tokenizer_config.json", required=False).get("model_max_length")  # its truncation
+    limited = isinstance(limit, int) and not isinstance(limit, bool) and 0 < limit < config.max_len
     decoding = Decoding(
         task=_TASKS.get(hf["model_type"], "summarization"),
-        max_source_tokens=config.max_len,
+        max_source_tokens=limit if limited else config.max_len,
         num_beams=given.get("num_beams", 1),
         max_new_tokens=min(new_tokens, (config.target_length or config.max_len) - 1),
         length_penalty=given.get("length_penalty", 1.0),

@@ -175,7 +175,18 @@ def write_hf(model: Transformer, tokenizer: Tokenizer, decoding: Decoding, out_d
     (out / "generation_config.json").write_text(json.dumps(_generation_json(config, decoding), indent=2))
     if isinstance(tokenizer, PieceTokenizer):  # Marian's sentencepiece files, as the folder it came from held them
         tokenizer.write_folder(out)
-        return out
+    else:
+        _write_tokenizer(tokenizer, config, out)
+    # The run's source length: transformers' tokenizers truncate there, and an import reads it back.
+    path = out / "tokenizer_config.json"
+    path.write_text(
+        json.dumps(json.loads(path.read_text()) | {"model_max_length": decoding.max_source_tokens}, indent=2)
+    )
+    return out
+
+
+def _write_tokenizer(tokenizer: Tokenizer, config: TransformerConfig, out: Path) -> None:
+    """``tokenizer.json`` and the ``tokenizer_config.json`` that names its special tokens."""
     tokenizer.backend.save(str(out / "tokenizer.json"))
     backend = tokenizer.backend
     names = {"pad_token": backend.id_to_token(config.pad_id), "eos_token": backend.id_to_token(config.eos_id)}
@@ -186,7 +197,6 @@ def write_hf(model: Transformer, tokenizer: Tokenizer, decoding: Decoding, out_d
     unk = backend.id_to_token(unk_id) if unk_id is not None else unk
     tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", **names, **({"unk_token": unk} if unk else {})}
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
-    return out
 
 
 def export_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
