@@ -344,6 +344,12 @@ def _truncated_checkpoint(path: Path) -> Path:
     return _write(path, path.read_bytes()[: path.stat().st_size // 2])
 
 
+def _truncated_beside_another(folder: Path) -> Path:
+    """A truncated ``last.ckpt`` beside an epoch's checkpoint, as a run killed while copying its last one leaves it."""
+    _write(folder / "epoch.ckpt", "")
+    return _truncated_checkpoint(folder / "last.ckpt")
+
+
 def _evil_checkpoint(path: Path) -> Path:
     """A torch.save archive that names ``state_dict`` and, when unpickled, runs a command."""
 
@@ -398,6 +404,11 @@ ONE_LINE_ERRORS: dict[str, tuple[Callable[[Path], list[str]], str]] = {
     "fit_truncated_checkpoint": (
         lambda t: _fit(t / "run", f"--ckpt_path={_truncated_checkpoint(t / 'truncated.ckpt')}"),
         "error: {t}/truncated.ckpt is not a Lightning checkpoint (a truncated or damaged archive): pass another .ckpt",
+    ),
+    "fit_truncated_checkpoint_beside_another": (
+        lambda t: _fit(t / "run", f"--ckpt_path={_truncated_beside_another(t)}"),
+        "error: {t}/last.ckpt is not a Lightning checkpoint (a truncated or damaged archive): pass another .ckpt, "
+        "such as {t}/epoch.ckpt",
     ),
     "fit_malicious_checkpoint": (
         lambda t: _fit(t / "run", f"--ckpt_path={_evil_checkpoint(t / 'evil.ckpt')}"),

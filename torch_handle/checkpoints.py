@@ -62,6 +62,7 @@ def check_checkpoint(path: str | Path) -> Path:
         if pickled is None:
             raise CheckpointError(
                 f"{path} is not a Lightning checkpoint (a truncated or damaged archive): pass another .ckpt"
+                + _another(path)
             )
         if "state_dict" not in pickled_strings(pickled):
             raise CheckpointError(
@@ -83,6 +84,12 @@ def check_checkpoint(path: str | Path) -> Path:
     if is_deepspeed_checkpoint(path):
         _check_deepspeed_shards(path)
     return path
+
+
+def _another(path: Path) -> str:
+    """The newest other ``.ckpt`` file beside ``path``, as a hint (none: "")."""
+    others = [p for p in path.parent.glob("*.ckpt") if p.name != path.name and p.is_file()]
+    return f", such as {max(others, key=lambda p: p.stat().st_mtime)}" if others else ""
 
 
 def last_checkpoint(folder: str | Path) -> Path:

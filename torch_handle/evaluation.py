@@ -158,12 +158,16 @@ class Evaluation(L.LightningModule):
         self._start_epoch("test")
         if self.hparams.task == "summarization":
             self._naive_ratio = self.hparams.naive_ratio
-            ratio_of = getattr(getattr(self.trainer, "datamodule", None), "summary_ratio", None)
+            data = getattr(self.trainer, "datamodule", None)
+            ratio_of = getattr(data, "summary_ratio", None)
             if self._naive_ratio is None and ratio_of is not None:
                 self._naive_ratio = ratio_of()
             if self._naive_ratio is None:
+                train = (getattr(data, "files", None) or {}).get("train")
+                missing = f" ({train} does not exist)" if train else ""
                 rank_zero_info(
-                    "test: no naive baseline: no training file to take its ratio from; set --model.naive_ratio"
+                    f"test: no naive baseline: no training file to take its ratio from{missing}; set "
+                    "--model.naive_ratio"
                 )
 
     def _start_epoch(self, stage: str) -> None:

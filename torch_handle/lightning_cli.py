@@ -140,7 +140,7 @@ class TorchHandleCLI(LightningCLI):
             hparams, self.config[subcommand].model.as_dict(), typed, in_configs, str(ckpt)
         )
         if notes:
-            rank_zero_warn(f"{ckpt} decides the model's architecture: using {', '.join(notes)}")
+            rank_zero_warn(f"{ckpt} decides the model's options it was trained with: using {', '.join(notes)}")
         self.config = parser.parse_object({subcommand: {"model": model}}, self.config)
         used = self.config[subcommand].model
         rank_zero_info(
