@@ -196,18 +196,18 @@ def test_a_wrong_data_key_names_its_class_and_where_its_options_are(
 def test_ctrl_c_in_setup_is_one_line_and_exit_130(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Ctrl-C before any trainer runs (reading data, training the tokenizer): one line, no traceback, as a shell
-    reports an interrupted command."""
+    """Ctrl-C before the trainer runs (parsing the options, training the tokenizer): one line, no traceback, the
+    status a shell reports for an interrupted command."""
 
-    def interrupted() -> None:
+    def interrupted(**_: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli_module, "main", interrupted)
+    monkeypatch.setattr(cli_module, "TorchHandleCLI", interrupted)
     with pytest.raises(SystemExit) as exit_:
-        cli_module.command()
+        main(["fit", "--config", "demo"])
     assert exit_.value.code == 130
     assert capsys.readouterr().err == (
-        "stopped by SIGINT (Ctrl-C) during setup, before training or decoding began: nothing to save\n"
+        "stopped by SIGINT (Ctrl-C) in setup (the options, the tokenizer): nothing was saved\n"
     )
 
 
@@ -346,7 +346,8 @@ def _truncated_checkpoint(path: Path) -> Path:
 
 def _truncated_beside_another(folder: Path) -> Path:
     """A truncated ``last.ckpt`` beside an epoch's checkpoint, as a run killed while copying its last one leaves it."""
-    _write(folder / "epoch.ckpt", "")
+    torch.save({"state_dict": {}}, folder / "epoch.ckpt")
+    _write(folder / "empty.ckpt", "")  # newer, but no hint: nothing to resume from
     return _truncated_checkpoint(folder / "last.ckpt")
 
 

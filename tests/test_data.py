@@ -426,6 +426,9 @@ def test_summarization_reads_a_query_before_the_document_and_every_reference(tmp
         f"{plain} is plain text, which holds no 'query' to ask: write JSON lines with 'query' and 'document', or pass "
         "--data.init_args.query_field null"
     )
+    plain.write_text('{"query": "who spoke?", "document": "broken\n')  # JSON lines, the first one broken
+    with pytest.raises(DataError, match=rf"^{plain}:1: not valid JSON"):
+        dm.setup("predict")
 
 
 class _EpochRecorder(pl.LightningModule):

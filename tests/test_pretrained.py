@@ -399,8 +399,14 @@ MALFORMED = {  # a file of the folder, what is written over its values, the line
     "num_beams": (
         "generation_config.json",
         {"num_beams": "4", "max_length": 12.5},
-        "the decoding settings ['max_length', 'num_beams'] have the wrong type: pass a folder written by "
+        "the decoding settings ['max_length', 'num_beams'] have the wrong type or value: pass a folder written by "
         "save_pretrained",
+    ),
+    "num_beams_0": (
+        "generation_config.json",
+        {"num_beams": 0, "max_length": 1},
+        "the decoding settings ['max_length=1', 'num_beams=0'] have the wrong type or value: pass a folder written "
+        "by save_pretrained",
     ),
 }
 
@@ -439,6 +445,10 @@ def test_a_folder_without_max_length_generates_as_many_tokens_as_transformers(tm
     assert expected.shape[1] == 20, "no output reaches the length limit"
     assert load_pretrained(path)[2].max_new_tokens == 20
     assert_generate_matches(path, tok, expected, num_beams=1)
+    (path / "generation_config.json").write_text(json.dumps(generation | {"max_length": 30, "max_new_tokens": 7}))
+    assert load_pretrained(path)[2].max_new_tokens == 7  # transformers takes max_new_tokens first
+    (path / "generation_config.json").write_text(json.dumps(generation | {"num_beams": None}))
+    assert load_pretrained(path)[2].num_beams == 1  # null: unset
 
 
 @pytest.mark.parametrize("form", ["safetensors", "hf"])

@@ -157,6 +157,15 @@ def test_hf_export_round_trips_through_transformers(kind: str, tmp_path: Path) -
     assert_round_trip(*_save(kind, tmp_path / "in"), tmp_path / "out")
 
 
+def test_hf_export_keeps_a_source_length_beyond_n_positions(tmp_path: Path) -> None:
+    """Relative positions read past ``n_positions``: a run's longer source length travels and comes back."""
+    path, _, _ = _save("t5-v1.1", tmp_path / "in")
+    model, tokenizer, decoding = load_pretrained(path)
+    decoding = dataclasses.replace(decoding, max_source_tokens=2 * model.config.max_len)
+    write_hf(model, tokenizer, decoding, tmp_path / "out")
+    assert load_pretrained(tmp_path / "out")[2].max_source_tokens == 2 * model.config.max_len
+
+
 def test_hf_export_names_the_t5_obstacle(tmp_path: Path) -> None:
     """A scaled decoder output beside an output layer of its own: transformers' T5 has no such model."""
     path, _, _ = _save("t5-v1.0", tmp_path / "in")

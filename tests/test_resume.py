@@ -345,14 +345,23 @@ def test_resume_from_an_epoch_end_checkpoint_trains_the_next_epoch_exactly(until
 
 
 @pytest.mark.slow
-def test_a_run_that_max_steps_stopped_mid_epoch_extends_as_one_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "saves",
+    [
+        [],
+        ["--checkpoint.every_n_train_steps", "0", "--checkpoint.every_n_epochs", "1", "--checkpoint.save_top_k", "-1"],
+    ],
+    ids=["every_5_steps", "every_epoch"],
+)
+def test_a_run_that_max_steps_stopped_mid_epoch_extends_as_one_run(saves: list[str], tmp_path: Path) -> None:
     """Stopped by ``max_steps`` mid-epoch, then resumed with a larger ``max_steps``: Lightning counted the unfinished
-    epoch as complete at the stop, so the run went on one epoch ahead (the next epoch's order, the epoch count, the
-    checkpoint names)."""
+    epoch as processed, and then complete, at the stop, so the run went on one epoch ahead (the next epoch's order,
+    the epoch count, the checkpoint names). The last checkpoint is written at the end of training (every 5 steps) or
+    at the epoch's end hook the stop calls (every epoch)."""
     flat = ["--model.warmup_steps", "1", "--model.min_lr_ratio", "1.0"]  # a schedule max_steps does not shape
 
     def args(root: Path, steps: int) -> list[str]:
-        return [*demo_args(1, root), *flat, "--trainer.max_steps", str(steps)]
+        return [*demo_args(1, root), *flat, *saves, "--trainer.max_steps", str(steps)]
 
     reference, resumed = tmp_path / "reference", tmp_path / "resumed"
     check(cli(args(reference, 52)))

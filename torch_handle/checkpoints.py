@@ -87,8 +87,8 @@ def check_checkpoint(path: str | Path) -> Path:
 
 
 def _another(path: Path) -> str:
-    """The newest other ``.ckpt`` file beside ``path``, as a hint (none: "")."""
-    others = [p for p in path.parent.glob("*.ckpt") if p.name != path.name and p.is_file()]
+    """The newest other (non-empty) ``.ckpt`` file beside ``path``, as a hint (none: "")."""
+    others = [p for p in path.parent.glob("*.ckpt") if p.name != path.name and p.is_file() and p.stat().st_size]
     return f", such as {max(others, key=lambda p: p.stat().st_mtime)}" if others else ""
 
 

@@ -57,7 +57,7 @@ class OneLineErrorParser(LightningArgumentParser):
 
 _CLASS_OPTION = re.compile(
     r'Parser key "([\w.]+)": Does not validate against any of the Union subtypes .*? Errors: - Problem with given '
-    r"class_path '([\w.]+)': (.*?) - Expected a <class 'NoneType'>.*"
+    r"class_path '([\w.]+)': (.*) - Expected a <class 'NoneType'> Given value type: .*"
 )
 
 
@@ -195,12 +195,16 @@ def main(args: list[str] | None = None) -> None:
     with one_line_errors():
         if args is None:  # LightningCLI reads sys.argv itself (and warns when given both)
             sys.argv[1:] = with_config_paths(argv)
-        TorchHandleCLI(
-            **cli_options(typed_command()),
-            save_config_callback=SaveConfig,
-            save_config_kwargs={"overwrite": True},
-            args=with_config_paths(argv) if args is not None else None,
-        )
+        try:
+            TorchHandleCLI(
+                **cli_options(typed_command()),
+                save_config_callback=SaveConfig,
+                save_config_kwargs={"overwrite": True},
+                args=with_config_paths(argv) if args is not None else None,
+            )
+        except KeyboardInterrupt:  # Lightning's trainer handles Ctrl-C in its calls: this one came before them
+            sys.stderr.write("stopped by SIGINT (Ctrl-C) in setup (the options, the tokenizer): nothing was saved\n")
+            sys.exit(130)
 
 
 def command() -> None:
@@ -209,11 +213,6 @@ def command() -> None:
     processes' lines could interleave."""
     try:
         main()
-    except KeyboardInterrupt:  # in training, Ctrl-C saves and stops (ModelCheckpoint); here, no trainer has run yet
-        sys.stderr.write(
-            "stopped by SIGINT (Ctrl-C) during setup, before training or decoding began: nothing to save\n"
-        )
-        sys.exit(130)
     except SystemExit as exit_:
         if not isinstance(exit_.code, str):
             raise

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import multiprocessing
 import os
 import signal
+import threading
 from collections.abc import Callable
 
 from lightning_utilities.core.imports import RequirementCache
@@ -68,11 +70,17 @@ def serve(
     where = "cpu" if quantize is not None else accelerator
     server = build_server(model, max_batch_size, batch_timeout, where, quantize)
     log.info("serving %s on http://%s:%d (POST /translate, /summarize; GET /health, /docs)", model, host, port)
-    previous = signal.signal(signal.SIGTERM, _stop_as_ctrl_c(os.getpid()))
+    main = threading.current_thread() is threading.main_thread()  # only its handlers can be set
+    previous = signal.signal(signal.SIGTERM, _stop_as_ctrl_c(os.getpid())) if main else None
     try:
         server.run(host=host, port=port, generate_client_file=False, log_level="info")
+    except KeyboardInterrupt:  # litserve shuts down what it started only once its HTTP servers run
+        for child in multiprocessing.active_children():  # the model workers still loading
+            child.terminate()
+            child.join(timeout=10)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _stop_as_ctrl_c(server_pid: int) -> Callable[[int, object], None]:
@@ -84,6 +92,7 @@ def _stop_as_ctrl_c(server_pid: int) -> Callable[[int, object], None]:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
+        signal.signal(signum, signal.SIG_IGN)  # a second one does not cut the shutdown short
         log.info("SIGTERM: stopping the server and its workers")
         raise KeyboardInterrupt
 

@@ -235,7 +235,12 @@ def read_documents(path: str | Path, field: str, setting: str) -> list[Record]:
 def is_json_lines(path: str | Path) -> bool:
     """Whether the file's first non-blank line is a JSON object: how :func:`read_documents` tells JSON lines from
     plain text."""
-    return _is_json_object(next(line for line in read_text(path).split("\n") if line.strip()))
+    return _is_json_object(first_line(path))
+
+
+def first_line(path: str | Path) -> str:
+    """The file's first non-blank line."""
+    return next(line for line in read_text(path).split("\n") if line.strip())
 
 
 def _regular_file(path: str | Path) -> Path:

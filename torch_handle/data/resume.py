@@ -53,10 +53,12 @@ def finish_saved_epoch(checkpoint: dict[str, Any], iteration_based: bool) -> Non
 def reopen_stopped_epoch(checkpoint: dict[str, Any], trainer: L.Trainer) -> None:
     """Saves an epoch that training stopped in (``max_steps``) as still running.
 
-    Lightning counts the running epoch complete when ``max_steps`` stops training mid-epoch, so ``last.ckpt`` saved
-    at the end of training would resume, with a larger ``max_steps``, one epoch ahead: the next epoch shuffled as the
-    one after it, ``current_epoch`` and the checkpoint names one too high. Saved as a checkpoint saved mid-epoch is,
-    it resumes in that epoch, after the batches it ran.
+    When ``max_steps`` stops training mid-epoch, Lightning ends the epoch loop: it counts the epoch processed, calls
+    ``on_train_epoch_end`` (where ``ModelCheckpoint`` saves when it validates once an epoch), then counts it
+    complete (``last.ckpt`` at the end of training is saved after that). Either checkpoint would resume, with a
+    larger ``max_steps``, one epoch ahead: the next epoch shuffled as the one after it, ``current_epoch`` and the
+    checkpoint names one too high. Saved as a checkpoint saved mid-epoch is, it resumes in that epoch, after the
+    batches it ran.
 
     Args:
         checkpoint: The checkpoint being saved, its loops' state in it.
@@ -64,15 +66,15 @@ def reopen_stopped_epoch(checkpoint: dict[str, Any], trainer: L.Trainer) -> None
     """
     loop = trainer.fit_loop
     epochs, batches = loop.epoch_progress.current, loop.epoch_loop.batch_progress
-    counted_complete = epochs.ready == epochs.completed > 0
+    ended = epochs.ready == epochs.processed > 0  # the epoch loop has ended (on_train_epoch_end, or after it)
     unfinished = not batches.is_last_batch and 0 < batches.current.ready < trainer.num_training_batches
     fit = checkpoint.get("loops", {}).get("fit_loop")
-    if fit is None or not (counted_complete and unfinished):
+    if fit is None or not (ended and unfinished):
         return
+    if epochs.completed == epochs.ready:  # saved after the epoch was counted complete: at the end of training
+        checkpoint["epoch"] -= 1
     for counts in (fit["epoch_progress"]["total"], fit["epoch_progress"]["current"]):
-        counts["processed"] -= 1
-        counts["completed"] -= 1
-    checkpoint["epoch"] -= 1
+        counts["processed"] = counts["completed"] = counts["ready"] - 1
 
 
 def batches_processed(trainer: L.Trainer) -> int:

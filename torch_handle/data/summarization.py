@@ -8,7 +8,7 @@ from typing_extensions import override
 
 from torch_handle.data.base import Seq2SeqDataModule, Split, TextSplit
 from torch_handle.data.corpora import missing
-from torch_handle.data.io import Record, chunked, is_json_lines, read_documents, read_jsonl, stream_jsonl
+from torch_handle.data.io import Record, chunked, first_line, read_documents, read_jsonl, stream_jsonl
 from torch_handle.errors import DataError
 
 QUERY_SEPARATOR = "\n\n"  # SCROLLS's: the query, a blank line, then the document
@@ -124,7 +124,7 @@ class SummarizationDataModule(Seq2SeqDataModule):
         if split == "predict" and self.query_field is None:
             records = read_documents(path, self.document_field, settings[self.document_field])
         elif split == "predict":
-            if not is_json_lines(path):
+            if not first_line(path).lstrip().startswith("{"):  # JSON lines, even broken ones, get their line's error
                 raise DataError(
                     f"{path} is plain text, which holds no {self.query_field!r} to ask: write JSON lines with "
                     f"{self.query_field!r} and {self.document_field!r}, or pass --data.init_args.query_field null"

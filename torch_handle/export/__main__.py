@@ -41,9 +41,9 @@ def main(args: list[str] | None = None) -> None:
     from torch_handle.pretrained.writer import export_folder, export_hf
 
     write = {"ctranslate2": export_ctranslate2, "hf": export_hf}.get(options.format, export)
-    if is_pretrained_folder(Path(options.checkpoint)):
-        write = partial(export_folder, form=options.format)
     try:
+        if is_pretrained_folder(Path(options.checkpoint)):  # it reads the folder's index, which may be refused
+            write = partial(export_folder, form=options.format)
         write(options.checkpoint, options.output)
     except (CheckpointError, ExportError) as err:
         raise SystemExit(f"error: {err}") from err

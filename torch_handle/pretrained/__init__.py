@@ -11,6 +11,7 @@ of BART, Marian, PEGASUS and LED share one layout (:mod:`torch_handle.pretrained
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -47,8 +48,12 @@ FAMILIES: dict[str, Callable[[dict[str, Any], dict[str, Any]], TransformerConfig
 _DECODING: dict[str, Any] = {  # the decoding defaults read (from generation_config.json, else config.json), typed
     "num_beams": int, "max_length": int, "length_penalty": float, "no_repeat_ngram_size": int,
     "repetition_penalty": float, "min_length": int, "min_new_tokens": int, "do_sample": bool, "temperature": float,
-    "top_k": int, "top_p": float,
+    "top_k": int, "top_p": float, "max_new_tokens": int,
 }  # fmt: skip
+_LEAST = {"num_beams": 1, "max_length": 2, "max_new_tokens": 1, "no_repeat_ngram_size": 0, "min_length": 0, "top_k": 0}
+_UNSET = 2**31  # a tokenizer without a length says so with a sentinel (transformers': about 1e30)
+log = logging.getLogger(__name__)
+
 _TASKS = {"marian": "translation"}  # what ``Model.summarize``'s long-document path and ``test`` assume
 
 
@@ -74,19 +79,28 @@ def pretrained_config(folder: Path) -> tuple[TransformerConfig, Decoding, dict[s
     except ConfigError as err:
         raise CheckpointError(f"{folder}: {err}") from None
     _check_size(folder, config)
+    return config, _decoding(folder, hf, generation, config), generation
+
+
+def _decoding(folder: Path, hf: dict[str, Any], generation: dict[str, Any], config: TransformerConfig) -> Decoding:
+    """The folder's decoding defaults, as transformers' ``generate`` reads them, each checked."""
     given = {name: hf[name] for name in _DECODING if name in hf} | generation  # older folders keep them in config.json
-    wrong = sorted(
-        name for name, hint in _DECODING.items() if given.get(name) is not None and not has_type(given[name], hint)
-    )
+    given = {name: value for name, value in given.items() if name in _DECODING and value is not None}  # null: unset
+    wrong = sorted(name for name, hint in _DECODING.items() if name in given and not has_type(given[name], hint))
+    if not wrong:
+        wrong = sorted(f"{name}={given[name]}" for name, least in _LEAST.items() if given.get(name, least) < least)
     if wrong:
         raise CheckpointError(
-            f"{folder}: the decoding settings {wrong} have the wrong type: pass a folder written by save_pretrained"
+            f"{folder}: the decoding settings {wrong} have the wrong type or value: pass a folder written by "
+            "save_pretrained"
         )
-    # max_length counts the decoder's start token; unset, transformers 5 generates 20 new tokens
-    new_tokens = 20 if given.get("max_length") is None else given["max_length"] - 1
+    # max_new_tokens first; max_length counts the decoder's start token; neither: 20 new tokens
+    new_tokens = given.get("max_new_tokens", given["max_length"] - 1 if "max_length" in given else 20)
     limit = read_json(folder / "tokenizer_config.json", required=False).get("model_max_length")  # its truncation
-    limited = isinstance(limit, int) and not isinstance(limit, bool) and 0 < limit < config.max_len
-    decoding = Decoding(
+    limited = isinstance(limit, int) and not isinstance(limit, bool) and 0 < limit < (config.context_length or _UNSET)
+    if limited and limit < config.max_len:
+        log.info("%s: sources are read up to tokenizer_config.json's model_max_length=%d", folder, limit)
+    return Decoding(
         task=_TASKS.get(hf["model_type"], "summarization"),
         max_source_tokens=limit if limited else config.max_len,
         num_beams=given.get("num_beams", 1),
@@ -94,7 +108,6 @@ def pretrained_config(folder: Path) -> tuple[TransformerConfig, Decoding, dict[s
         length_penalty=given.get("length_penalty", 1.0),
         **generation_controls(given),
     )
-    return config, decoding, generation
 
 
 def _check_size(folder: Path, config: TransformerConfig) -> None:

@@ -221,11 +221,15 @@ def export_folder(folder: str | Path, output: str | Path, form: str = "safetenso
     """Write the Hugging Face folder ``folder``, read as :func:`~torch_handle.pretrained.load_pretrained` reads it, as
     ``form``: one safetensors file for :func:`torch_handle.load`, a CTranslate2 folder (CTranslate2's converter on
     the folder :func:`write_hf` writes) or that Hugging Face folder itself."""
-    from torch_handle.pretrained import load_pretrained
-    from torch_handle.pretrained.ctranslate2 import write_converted  # it imports this module
+    from torch_handle.pretrained import load_pretrained, pretrained_config
+    from torch_handle.pretrained.ctranslate2 import converted_family, write_converted  # it imports this module
 
     if form != "safetensors":
         check_free(Path(output))  # before reading weights that may be large
+        config = pretrained_config(Path(folder))[0]
+        family, reason = converted_family(config) if form == "ctranslate2" else hf_family(config)
+        if family is None:
+            raise ExportError(reason)
     model, tokenizer, decoding = load_pretrained(folder)
     if form == "ctranslate2":
         return write_converted(model, tokenizer, decoding, output)
