@@ -344,33 +344,41 @@ def test_resume_from_an_epoch_end_checkpoint_trains_the_next_epoch_exactly(until
         assert torch.equal(weights(reference)[name], tensor), name
 
 
+EVERY_EPOCH = [
+    "--checkpoint.every_n_train_steps",
+    "0",
+    "--checkpoint.every_n_epochs",
+    "1",
+    "--checkpoint.save_top_k",
+    "-1",
+]
+EXTENDED = {  # the checkpoints saved, the steps of the stopped run and of the extended one (an epoch is 30 steps)
+    "mid_epoch": ([], 42, 52),  # last.ckpt written at the end of training, between saves every 5 steps
+    "mid_epoch_saving_every_epoch": (EVERY_EPOCH, 42, 52),  # written by the epoch-end hook the stop calls
+    "at_an_epoch_end": ([], 30, 47),  # written after the epoch's end; under max_epochs 2 nothing more was trained
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "saves",
-    [
-        [],
-        ["--checkpoint.every_n_train_steps", "0", "--checkpoint.every_n_epochs", "1", "--checkpoint.save_top_k", "-1"],
-    ],
-    ids=["every_5_steps", "every_epoch"],
-)
-def test_a_run_that_max_steps_stopped_mid_epoch_extends_as_one_run(saves: list[str], tmp_path: Path) -> None:
-    """Stopped by ``max_steps`` mid-epoch, then resumed with a larger ``max_steps``: Lightning counted the unfinished
-    epoch as processed, and then complete, at the stop, so the run went on one epoch ahead (the next epoch's order,
-    the epoch count, the checkpoint names). The last checkpoint is written at the end of training (every 5 steps) or
-    at the epoch's end hook the stop calls (every epoch)."""
+@pytest.mark.parametrize("case", list(EXTENDED))
+def test_a_run_that_max_steps_stopped_extends_as_one_run(case: str, tmp_path: Path) -> None:
+    """Stopped by ``max_steps``, then resumed with a larger ``max_steps``: Lightning counted the stopped epoch as
+    processed, and then complete, at the stop, so the run went on one epoch ahead (the next epoch's order, the epoch
+    count, the checkpoint names), or, stopped on an epoch's last batch, trained nothing more."""
+    saves, stop, end = EXTENDED[case]
     flat = ["--model.warmup_steps", "1", "--model.min_lr_ratio", "1.0"]  # a schedule max_steps does not shape
 
     def args(root: Path, steps: int) -> list[str]:
         return [*demo_args(1, root), *flat, *saves, "--trainer.max_steps", str(steps)]
 
     reference, resumed = tmp_path / "reference", tmp_path / "resumed"
-    check(cli(args(reference, 52)))
-    check(cli(args(resumed, 42)))  # an epoch is 30 steps; last.ckpt is written at the stop, between saves
-    check(cli([*args(resumed, 52), "--ckpt_path", "last"]))
+    check(cli(args(reference, end)))
+    check(cli(args(resumed, stop)))
+    check(cli([*args(resumed, end), "--ckpt_path", "last"]))
     states = [torch.load(run / "checkpoints" / "last.ckpt", weights_only=True) for run in (reference, resumed)]
     assert states[1]["epoch"] == states[0]["epoch"] == 1
     loaders = [state["loops"]["fit_loop"]["state_dict"]["combined_loader"] for state in states]
-    assert loaders[1] == loaders[0] == [{"epoch": 1, "batches_done": 22}]
+    assert loaders[1] == loaders[0] == [{"epoch": 1, "batches_done": end - 30}]
     assert batches_run(resumed) == batches_run(reference)
     for name, tensor in weights(reference).items():
         assert torch.equal(weights(resumed)[name], tensor), name

@@ -13,7 +13,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from torch_handle.data.resume import finish_saved_epoch, reopen_stopped_epoch
+from torch_handle.data.resume import finish_saved_epoch, record_stopped_epoch
 from torch_handle.evaluation import Evaluation
 from torch_handle.loss import compiled_token_sums, token_sums
 from torch_handle.model import ConfigError, Transformer, TransformerConfig
@@ -256,9 +256,9 @@ class Seq2SeqModule(Evaluation, Optimization, Parallelism):
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # last.ckpt written when max_steps stopped training mid-epoch resumes in that epoch.
+        # A checkpoint written when max_steps stopped training resumes where it stopped.
         if self._trainer is not None:
-            reopen_stopped_epoch(checkpoint, self._trainer)
+            record_stopped_epoch(checkpoint, self._trainer)
 
     @override
     def on_train_start(self) -> None:

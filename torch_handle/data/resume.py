@@ -50,15 +50,16 @@ def finish_saved_epoch(checkpoint: dict[str, Any], iteration_based: bool) -> Non
         loop["_batches_that_stepped"] -= 1
 
 
-def reopen_stopped_epoch(checkpoint: dict[str, Any], trainer: L.Trainer) -> None:
-    """Saves an epoch that training stopped in (``max_steps``) as still running.
+def record_stopped_epoch(checkpoint: dict[str, Any], trainer: L.Trainer) -> None:
+    """Saves the epoch that ``max_steps`` stopped training in as resuming needs it.
 
-    When ``max_steps`` stops training mid-epoch, Lightning ends the epoch loop: it counts the epoch processed, calls
-    ``on_train_epoch_end`` (where ``ModelCheckpoint`` saves when it validates once an epoch), then counts it
-    complete (``last.ckpt`` at the end of training is saved after that). Either checkpoint would resume, with a
-    larger ``max_steps``, one epoch ahead: the next epoch shuffled as the one after it, ``current_epoch`` and the
-    checkpoint names one too high. Saved as a checkpoint saved mid-epoch is, it resumes in that epoch, after the
-    batches it ran.
+    At the stop Lightning ends the epoch loop: it counts the epoch processed, calls ``on_train_epoch_end`` (where
+    ``ModelCheckpoint`` saves when it validates once an epoch), then counts it complete (``last.ckpt`` at the end of
+    training is saved after that). Resumed with a larger ``max_steps``, such a checkpoint went on one epoch ahead
+    (the next epoch shuffled as the one after it, ``current_epoch`` and the checkpoint names one too high), or, for
+    an epoch stopped on its last batch, trained nothing more under ``max_epochs``. An epoch stopped mid-way is saved
+    still running, as a mid-epoch checkpoint is; one stopped on its last batch, as at its validation's end, which
+    :func:`finish_saved_epoch` and Lightning resume in the next epoch.
 
     Args:
         checkpoint: The checkpoint being saved, its loops' state in it.
@@ -67,9 +68,15 @@ def reopen_stopped_epoch(checkpoint: dict[str, Any], trainer: L.Trainer) -> None
     loop = trainer.fit_loop
     epochs, batches = loop.epoch_progress.current, loop.epoch_loop.batch_progress
     ended = epochs.ready == epochs.processed > 0  # the epoch loop has ended (on_train_epoch_end, or after it)
-    unfinished = not batches.is_last_batch and 0 < batches.current.ready < trainer.num_training_batches
     fit = checkpoint.get("loops", {}).get("fit_loop")
-    if fit is None or not (ended and unfinished):
+    if fit is None or not ended or batches.current.ready == 0:
+        return
+    if batches.is_last_batch or batches.current.ready >= trainer.num_training_batches:  # the epoch ran to its end
+        if epochs.completed == epochs.ready:  # and was counted complete: saved as at its validation's end
+            for counts in (fit["epoch_progress"]["total"], fit["epoch_progress"]["current"]):
+                counts["completed"] -= 1
+            fit["epoch_loop.batch_progress"]["is_last_batch"] = True
+            checkpoint["epoch"] -= 1
         return
     if epochs.completed == epochs.ready:  # saved after the epoch was counted complete: at the end of training
         checkpoint["epoch"] -= 1
