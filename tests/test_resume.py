@@ -352,24 +352,28 @@ EVERY_EPOCH = [
     "--checkpoint.save_top_k",
     "-1",
 ]
-EXTENDED = {  # the checkpoints saved, the steps of the stopped run and of the extended one (an epoch is 30 steps)
-    "mid_epoch": ([], 42, 52),  # last.ckpt written at the end of training, between saves every 5 steps
-    "mid_epoch_saving_every_epoch": (EVERY_EPOCH, 42, 52),  # written by the epoch-end hook the stop calls
-    "at_an_epoch_end": ([], 30, 47),  # written after the epoch's end; under max_epochs 2 nothing more was trained
+EXTENDED = {  # processes, the checkpoints saved, the steps of the stopped run and of the extended one
+    "mid_epoch": (1, [], 42, 52),  # last.ckpt written at the end of training, between saves every 5 steps
+    "mid_epoch_saving_every_epoch": (1, EVERY_EPOCH, 42, 52),  # written by the epoch-end hook the stop calls
+    "at_an_epoch_end": (1, [], 30, 47),  # written after the epoch's end; under max_epochs 2 nothing more was trained
+    "at_an_epoch_end_ddp": (2, [], 15, 22),
 }
+EPOCH_STEPS = {1: 30, 2: 15}  # the demo's epoch, on 1 process and on 2
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", list(EXTENDED))
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=pytest.mark.distributed) if c.endswith("ddp") else c for c in EXTENDED]
+)
 def test_a_run_that_max_steps_stopped_extends_as_one_run(case: str, tmp_path: Path) -> None:
     """Stopped by ``max_steps``, then resumed with a larger ``max_steps``: Lightning counted the stopped epoch as
     processed, and then complete, at the stop, so the run went on one epoch ahead (the next epoch's order, the epoch
     count, the checkpoint names), or, stopped on an epoch's last batch, trained nothing more."""
-    saves, stop, end = EXTENDED[case]
+    devices, saves, stop, end = EXTENDED[case]
     flat = ["--model.warmup_steps", "1", "--model.min_lr_ratio", "1.0"]  # a schedule max_steps does not shape
 
     def args(root: Path, steps: int) -> list[str]:
-        return [*demo_args(1, root), *flat, *saves, "--trainer.max_steps", str(steps)]
+        return [*demo_args(devices, root), *flat, *saves, "--trainer.max_steps", str(steps)]
 
     reference, resumed = tmp_path / "reference", tmp_path / "resumed"
     check(cli(args(reference, end)))
@@ -378,7 +382,7 @@ def test_a_run_that_max_steps_stopped_extends_as_one_run(case: str, tmp_path: Pa
     states = [torch.load(run / "checkpoints" / "last.ckpt", weights_only=True) for run in (reference, resumed)]
     assert states[1]["epoch"] == states[0]["epoch"] == 1
     loaders = [state["loops"]["fit_loop"]["state_dict"]["combined_loader"] for state in states]
-    assert loaders[1] == loaders[0] == [{"epoch": 1, "batches_done": end - 30}]
+    assert loaders[1] == loaders[0] == [{"epoch": 1, "batches_done": end - EPOCH_STEPS[devices]}]
     assert batches_run(resumed) == batches_run(reference)
     for name, tensor in weights(reference).items():
         assert torch.equal(weights(resumed)[name], tensor), name

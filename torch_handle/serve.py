@@ -70,8 +70,8 @@ def serve(
     where = "cpu" if quantize is not None else accelerator
     server = build_server(model, max_batch_size, batch_timeout, where, quantize)
     log.info("serving %s on http://%s:%d (POST /translate, /summarize; GET /health, /docs)", model, host, port)
-    main = threading.current_thread() is threading.main_thread()  # only its handlers can be set
-    previous = signal.signal(signal.SIGTERM, _stop_as_ctrl_c(os.getpid())) if main else None
+    on_main_thread = threading.current_thread() is threading.main_thread()  # only its handlers can be set
+    previous = signal.signal(signal.SIGTERM, _stop_as_ctrl_c(os.getpid())) if on_main_thread else None
     try:
         server.run(host=host, port=port, generate_client_file=False, log_level="info")
     except KeyboardInterrupt:  # litserve shuts down what it started only once its HTTP servers run
