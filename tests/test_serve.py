@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -249,6 +250,32 @@ def test_sigterm_while_the_workers_load_leaves_no_process(tiny_demo_run: Path, t
         assert_all_ended(process.pid)
     finally:
         stop_server(process)
+
+
+def test_a_sigterm_whose_interrupt_python_drops_still_stops_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM handled inside a callback whose exceptions Python drops (a fork's, as CI met while litserve forked)
+    loses its ``KeyboardInterrupt``: litserve's shutdown event is then set, and the run still ends."""
+    from torch_handle.serve import _SigtermStops
+
+    dropped: list[type[BaseException]] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda raised: dropped.append(raised.exc_type))
+
+    class Server:
+        _shutdown_event = threading.Event()
+
+    class StopsInCallback:
+        def __del__(self) -> None:
+            signal.raise_signal(signal.SIGTERM)
+
+    stopping = _SigtermStops(Server())
+    try:
+        StopsInCallback()  # freed at once: the handler runs in __del__, whose exceptions Python drops
+        assert dropped == [KeyboardInterrupt]
+        assert Server._shutdown_event.wait(timeout=10)
+        signal.raise_signal(signal.SIGTERM)  # a second one leaves the shutdown alone
+    finally:
+        stopping.restore()
+    assert signal.getsignal(signal.SIGTERM) is stopping.previous
 
 
 def assert_all_ended(group: int, timeout: float = 30) -> None:

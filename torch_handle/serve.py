@@ -9,12 +9,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import multiprocessing
 import os
 import signal
 import threading
-from collections.abc import Callable
+import time
 
 from lightning_utilities.core.imports import RequirementCache
 
@@ -70,8 +71,7 @@ def serve(
     where = "cpu" if quantize is not None else accelerator
     server = build_server(model, max_batch_size, batch_timeout, where, quantize)
     log.info("serving %s on http://%s:%d (POST /translate, /summarize; GET /health, /docs)", model, host, port)
-    on_main_thread = threading.current_thread() is threading.main_thread()  # only its handlers can be set
-    previous = signal.signal(signal.SIGTERM, _stop_as_ctrl_c(os.getpid())) if on_main_thread else None
+    stopping = _SigtermStops(server) if threading.current_thread() is threading.main_thread() else None
     try:
         server.run(host=host, port=port, generate_client_file=False, log_level="info")
     except KeyboardInterrupt:  # litserve shuts down what it started only once its HTTP servers run
@@ -79,24 +79,49 @@ def serve(
             child.terminate()
             child.join(timeout=10)
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        if stopping is not None:
+            stopping.restore()
 
 
-def _stop_as_ctrl_c(server_pid: int) -> Callable[[int, object], None]:
-    """SIGTERM to the server's process (``kill PID``, ``docker stop``) shuts it down as Ctrl-C does: litserve stops
-    its workers and frees the port, where the default action would end this process alone and leave them serving."""
+class _SigtermStops:
+    """SIGTERM to the server's process (``kill PID``, ``docker stop``) shuts it down as Ctrl-C does, where the default
+    action would end this process alone and leave its workers serving.
 
-    def stop(signum: int, frame: object) -> None:
-        if os.getpid() != server_pid:  # a worker forked from here ends as it would have
+    The handler raises ``KeyboardInterrupt``, which stops the workers still loading at once; but Python drops an
+    exception raised inside a fork's callbacks, so a thread also sets litserve's shutdown event, which ends the run
+    as soon as it serves.
+    """
+
+    def __init__(self, server: object) -> None:
+        self.server, self.server_pid = server, os.getpid()
+        self.requested, self.done = threading.Event(), threading.Event()
+        self.previous = signal.signal(signal.SIGTERM, self._stop)
+        threading.Thread(target=self._set_shutdown_event, name="sigterm-shutdown", daemon=True).start()
+
+    def _stop(self, signum: int, frame: object) -> None:
+        if os.getpid() != self.server_pid:  # a worker forked from here ends as it would have
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
-        signal.signal(signum, signal.SIG_IGN)  # a second one does not cut the shutdown short
+        if self.requested.is_set():  # a second one does not cut the shutdown short
+            return
         log.info("SIGTERM: stopping the server and its workers")
+        self.requested.set()
         raise KeyboardInterrupt
 
-    return stop
+    def _set_shutdown_event(self) -> None:
+        self.requested.wait()
+        while not self.done.is_set():
+            event = getattr(self.server, "_shutdown_event", None)  # litserve's, once its manager runs
+            if event is not None:
+                with contextlib.suppress(Exception):  # the manager may already be shut down
+                    event.set()
+                return
+            time.sleep(0.1)
+
+    def restore(self) -> None:
+        self.done.set()
+        signal.signal(signal.SIGTERM, self.previous)
 
 
 def main(args: list[str] | None = None) -> None:
