@@ -34,6 +34,7 @@ from tests.helpers import (
     train_losses,
     wait_for,
 )
+from torch_handle.data.resume import finish_saved_epoch
 from torch_handle.export import read_checkpoint
 from torch_handle.module import Seq2SeqModule
 from torch_handle.strategies import DeepSpeedStrategy, FSDPStrategy
@@ -352,13 +353,15 @@ EVERY_EPOCH = [
     "--checkpoint.save_top_k",
     "-1",
 ]
-EXTENDED = {  # processes, the checkpoints saved, the steps of the stopped run and of the extended one
-    "mid_epoch": (1, [], 42, 52),  # last.ckpt written at the end of training, between saves every 5 steps
-    "mid_epoch_saving_every_epoch": (1, EVERY_EPOCH, 42, 52),  # written by the epoch-end hook the stop calls
-    "at_an_epoch_end": (1, [], 30, 47),  # written after the epoch's end; under max_epochs 2 nothing more was trained
-    "at_an_epoch_end_ddp": (2, [], 15, 22),
+SHORT_EPOCHS = ["--trainer.limit_train_batches", "20", "--trainer.max_epochs", "5"]
+EXTENDED = {  # processes, options, the steps of an epoch, of the stopped run and of the extended one
+    "mid_epoch": (1, [], 30, 42, 52),  # last.ckpt written at the end of training, between saves every 5 steps
+    "mid_epoch_saving_every_epoch": (1, EVERY_EPOCH, 30, 42, 52),  # written by the epoch-end hook the stop calls
+    "at_an_epoch_end": (1, [], 30, 30, 47),  # written after the epoch's end; under max_epochs 2 nothing more trained
+    "at_an_epoch_end_ddp": (2, [], 15, 15, 22),
+    # written at the last batch's end by the every-5-steps save, which the end of training does not repeat
+    "at_an_epoch_end_saved_at_its_last_batch": (1, SHORT_EPOCHS, 20, 40, 60),
 }
-EPOCH_STEPS = {1: 30, 2: 15}  # the demo's epoch, on 1 process and on 2
 
 
 @pytest.mark.slow
@@ -369,24 +372,60 @@ def test_a_run_that_max_steps_stopped_extends_as_one_run(case: str, tmp_path: Pa
     """Stopped by ``max_steps``, then resumed with a larger ``max_steps``: Lightning counted the stopped epoch as
     processed, and then complete, at the stop, so the run went on one epoch ahead (the next epoch's order, the epoch
     count, the checkpoint names), or, stopped on an epoch's last batch, trained nothing more."""
-    devices, saves, stop, end = EXTENDED[case]
+    devices, options, epoch_steps, stop, end = EXTENDED[case]
     flat = ["--model.warmup_steps", "1", "--model.min_lr_ratio", "1.0"]  # a schedule max_steps does not shape
 
     def args(root: Path, steps: int) -> list[str]:
-        return [*demo_args(devices, root), *flat, *saves, "--trainer.max_steps", str(steps)]
+        return [*demo_args(devices, root), *flat, *options, "--trainer.max_steps", str(steps)]
 
     reference, resumed = tmp_path / "reference", tmp_path / "resumed"
-    check(cli(args(reference, end)))
+    run = check(cli(args(reference, end)))
+    assert "sync_dist=True" not in run.stderr  # torchmetrics already reduced the logged values over the processes
     check(cli(args(resumed, stop)))
     check(cli([*args(resumed, end), "--ckpt_path", "last"]))
     states = [torch.load(run / "checkpoints" / "last.ckpt", weights_only=True) for run in (reference, resumed)]
-    assert states[1]["epoch"] == states[0]["epoch"] == 1
+    epoch = (end - 1) // epoch_steps  # the epoch the last step trained in
+    assert states[1]["epoch"] == states[0]["epoch"] == epoch
     loaders = [state["loops"]["fit_loop"]["state_dict"]["combined_loader"] for state in states]
-    assert loaders[1] == loaders[0] == [{"epoch": 1, "batches_done": end - EPOCH_STEPS[devices]}]
+    assert loaders[1] == loaders[0] == [{"epoch": epoch, "batches_done": end - epoch * epoch_steps}]
     assert batches_run(resumed) == batches_run(reference)
     for name, tensor in weights(reference).items():
         assert torch.equal(weights(resumed)[name], tensor), name
-    assert logging_step(resumed) == logging_step(reference)
+    for state in states:  # as a further extension reads them (one may be saved at the last batch's end, before it)
+        finish_saved_epoch(state, iteration_based=True)
+    loops = [state["loops"]["fit_loop"] for state in states]
+    for counts in ("epoch_progress", "epoch_loop.batch_progress", "epoch_loop.state_dict"):
+        assert loops[1][counts] == loops[0][counts], counts
+
+
+def next_logging_step(fit_loop: dict) -> int:
+    """The logging step a run resumed from this state goes on from: Lightning counts a step saved at its batch's end
+    (before the count) once it restarts."""
+    batches = fit_loop["epoch_loop.batch_progress"]["total"]
+    at_batch_end = batches["completed"] == batches["processed"] - 1
+    return fit_loop["epoch_loop.state_dict"]["_batches_that_stepped"] + at_batch_end
+
+
+@pytest.mark.slow
+def test_sigterm_on_an_epochs_last_batch_of_a_max_steps_run_resumes_as_one_run(tmp_path: Path) -> None:
+    """SIGTERM at step 30, the demo's first epoch's last batch: saved at that batch's end, before the epoch ended.
+    Lightning resumed it in the next epoch without counting that epoch started, and the run, stopped by ``max_steps``
+    mid-epoch, ended one epoch ahead."""
+    flat = ["--model.warmup_steps", "1", "--model.min_lr_ratio", "1.0", "--trainer.max_steps", "45"]
+    reference, stopped = tmp_path / "reference", tmp_path / "stopped"
+    check(cli([*demo_args(1, reference), *flat]))
+    run = interrupted([*demo_args(1, stopped), *flat], TORCH_HANDLE_TEST_SIGTERM_AT_STEP="30")
+    assert run.returncode == 143, run.stderr[-3000:]
+    check(cli([*demo_args(1, stopped), *flat, "--ckpt_path", "last"]))
+    states = [torch.load(root / "checkpoints" / "last.ckpt", weights_only=True) for root in (reference, stopped)]
+    assert states[1]["epoch"] == states[0]["epoch"] == 1
+    loops = [state["loops"]["fit_loop"] for state in states]
+    for counts in ("epoch_progress", "state_dict"):
+        assert loops[1][counts] == loops[0][counts], counts
+    assert next_logging_step(loops[1]) == next_logging_step(loops[0]) == 45
+    assert batches_run(stopped) == batches_run(reference)
+    for name, tensor in weights(reference).items():
+        assert torch.equal(weights(stopped)[name], tensor), name
 
 
 def test_configure_optimizers_leaves_the_train_loader_to_the_fit_loop() -> None:

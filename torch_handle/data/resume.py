@@ -34,6 +34,7 @@ def finish_saved_epoch(checkpoint: dict[str, Any], iteration_based: bool) -> Non
     fit = checkpoint.get("loops", {}).get("fit_loop")
     if fit is None or not fit.get("epoch_loop.batch_progress", {}).get("is_last_batch"):
         return
+    _end_epoch_saved_at_its_last_batch_end(fit)
     epochs = fit["epoch_progress"]
     total = epochs["total"]
     if not total["ready"] == total["started"] == total["processed"] == total["completed"] + 1:
@@ -48,6 +49,26 @@ def finish_saved_epoch(checkpoint: dict[str, Any], iteration_based: bool) -> Non
     loop = fit.get("epoch_loop.state_dict", {})
     if iteration_based and loop.get("_batches_that_stepped"):
         loop["_batches_that_stepped"] -= 1
+
+
+def _end_epoch_saved_at_its_last_batch_end(fit: dict[str, Any]) -> None:
+    """Counts an epoch saved at its last batch's ``on_train_batch_end`` (every N steps, or SIGTERM there) ended.
+
+    Lightning resumes such a checkpoint by skipping that epoch's end, and leaves the next epoch uncounted as started:
+    saved again, its count misleads both Lightning and :func:`record_stopped_epoch` (a run extended from it ended one
+    epoch ahead). Counted as after the epoch loop, it takes the epoch-end path of :func:`finish_saved_epoch`.
+    """
+    epochs, batches = fit["epoch_progress"], fit["epoch_loop.batch_progress"]
+    total = epochs["total"]
+    in_the_epoch = total["ready"] == total["started"] == total["processed"] + 1 == total["completed"] + 1
+    if not in_the_epoch or batches["total"]["completed"] != batches["total"]["processed"] - 1:
+        return
+    for counts in (epochs["total"], epochs["current"]):
+        counts["processed"] = counts["ready"]
+    for counts in (batches["total"], batches["current"]):
+        counts["completed"] = counts["processed"]
+    loop = fit.setdefault("epoch_loop.state_dict", {})
+    loop["_batches_that_stepped"] = loop.get("_batches_that_stepped", 0) + 1  # counted after on_train_batch_end
 
 
 def record_stopped_epoch(checkpoint: dict[str, Any], trainer: L.Trainer) -> None:
