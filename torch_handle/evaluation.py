@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch import Tensor
 from torchmetrics.aggregation import MeanMetric
 from torchmetrics.text import SacreBLEUScore
@@ -32,6 +34,12 @@ from torch_handle.metrics import (
 from torch_handle.model import Transformer, TransformerConfig, generate
 from torch_handle.model.logits import DecodingControls
 from torch_handle.parallel import Pipeline
+
+# The epoch-level values logged below come from torchmetrics' compute(), already reduced over every process:
+# syncing them again, as Lightning advises for a tensor logged without sync_dist, would add collectives to no effect.
+warnings.filterwarnings(
+    "ignore", message=r"It is recommended to use `self.log\('(val|test)/", category=PossibleUserWarning
+)
 
 BLEU_TOKENIZE = "13a"  # sacreBLEU's default tokenizer, the one WMT results are reported with
 

@@ -104,12 +104,7 @@ def exported_metadata(path: str | Path) -> tuple[TransformerConfig, Tokenizer]:
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"exported model {path} does not exist: run {typed_command('export')} first")
-    try:
-        with safe_open(path, framework="pt") as f:
-            metadata = f.metadata() or {}
-            shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
-    except Exception as err:  # safetensors raises its own error types for a non-safetensors or truncated file
-        raise CheckpointError(f"{path} is not a safetensors file ({_one_line(err)}): export the model again") from err
+    metadata, shapes = safetensors_header(path, "export the model again")
     redo = f"export it again with {typed_command('export')}"
     if metadata.get("format") != FORMAT:
         raise CheckpointError(f"{path} was not written by torch_handle.export (no {FORMAT} metadata): {redo}")
@@ -122,6 +117,20 @@ def exported_metadata(path: str | Path) -> tuple[TransformerConfig, Tokenizer]:
     if problems:
         raise CheckpointError(f"{path} does not match its model config ({problems}): {redo}")
     return config, tokenizer
+
+
+def safetensors_header(path: Path, fix: str) -> tuple[dict[str, str], dict[str, tuple[int, ...]]]:
+    """The metadata and the tensors' shapes of the safetensors file ``path``, from its header alone.
+
+    Raises:
+        CheckpointError: safetensors cannot read the file (truncated, or another format under this name); the
+            message ends with ``fix``.
+    """
+    try:
+        with safe_open(path, framework="pt") as f:
+            return f.metadata() or {}, {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+    except Exception as err:  # safetensors raises its own error types
+        raise CheckpointError(f"{path} is not a safetensors file ({_one_line(err)}): {fix}") from err
 
 
 def too_many_layers(config: TransformerConfig, tensors: int) -> str:

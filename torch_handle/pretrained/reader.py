@@ -12,11 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from torch import Tensor
 
 from torch_handle.errors import CheckpointError
-from torch_handle.export.exported import safetensors_tensors
+from torch_handle.export.exported import safetensors_header, safetensors_tensors
 from torch_handle.jsonfiles import json_object
 from torch_handle.unpickling import ARCHIVE_MAGIC, archive_pickles, check_globals, head
 
@@ -94,12 +93,7 @@ def weight_files(folder: Path) -> list[Path]:
 def check_safetensors(file: Path) -> None:
     """Refuse ``file`` unless safetensors reads its header and finds the file as long as the header says (a
     truncated download, or another format under this name, fails here)."""
-    try:
-        with safe_open(file, framework="pt"):
-            pass
-    except Exception as err:  # safetensors raises its own error types
-        reason = " ".join(str(err).split())
-        raise CheckpointError(f"{file} is not a safetensors file ({reason}): download the folder again") from None
+    safetensors_header(file, "download the folder again")
 
 
 def weight_names(folder: Path) -> set[str]:
@@ -108,8 +102,7 @@ def weight_names(folder: Path) -> set[str]:
     names: set[str] = set()
     for file in weight_files(folder):
         if file.suffix == ".safetensors":
-            with safe_open(file, framework="pt") as f:
-                names.update(f.keys())
+            names.update(safetensors_header(file, "download the folder again")[1])
         else:
             names.update(_load_bin(file))
     return names
