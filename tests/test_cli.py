@@ -23,7 +23,7 @@ from conftest import TINY_MODEL_ARGS
 from tests.helpers import RUN_TIMEOUT
 from torch_handle import cli as cli_module
 from torch_handle.cli import main
-from torch_handle.commands import PACKAGE, typed_command
+from torch_handle.commands import PACKAGE, start, typed_command
 from torch_handle.data.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -209,6 +209,22 @@ def test_ctrl_c_in_setup_is_one_line_and_exit_130(
     assert capsys.readouterr().err == (
         "stopped by SIGINT (Ctrl-C) in setup (the options, the tokenizer): nothing was saved\n"
     )
+
+
+def test_ctrl_c_while_the_libraries_import_is_one_line_and_exit_130(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C in the seconds torch and Lightning take to import, before any of our handling is loaded."""
+
+    class Importing:
+        def __getattr__(self, name: str) -> object:
+            raise KeyboardInterrupt
+
+    monkeypatch.setitem(sys.modules, "torch_handle.cli", Importing())
+    with pytest.raises(SystemExit) as exit_:
+        start()
+    assert exit_.value.code == 130
+    assert capsys.readouterr().err == "stopped by SIGINT (Ctrl-C) while starting: nothing was saved\n"
 
 
 @pytest.mark.slow

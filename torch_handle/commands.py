@@ -19,6 +19,17 @@ TOOLS = {
 """The subcommands that are plain argparse tools, and their modules (each also runs as ``python -m MODULE``)."""
 
 
+def start() -> None:
+    """The ``torch-handle`` process and ``python cli.py``: torch and Lightning take seconds to import, and a Ctrl-C
+    meanwhile is one line and exit 130, as it is later in setup."""
+    try:
+        from torch_handle.cli import command
+    except KeyboardInterrupt:
+        sys.stderr.write("stopped by SIGINT (Ctrl-C) while starting: nothing was saved\n")
+        sys.exit(130)
+    command()
+
+
 def typed_command(subcommand: str = "") -> str:
     """``torch-handle SUBCOMMAND`` as this process was started: ``torch-handle`` when installed, ``python cli.py``
     in a checkout, ``python -m torch_handle.cli`` (or the tool's own module, ``python -m torch_handle.export``);
