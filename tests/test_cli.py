@@ -333,7 +333,8 @@ def test_predict_line_longer_than_the_model_context_is_cut_with_a_warning(tiny_d
     inputs = _write(tmp_path / "in.txt", f"the cat\n{long_line}\n")
     output = tmp_path / "out.txt"
     args = [*_tiny(tiny_demo_run), f"--data.init_args.predict_file={inputs}", f"--prediction_writer.output={output}"]
-    with pytest.warns(UserWarning, match=r"lowered --data.max_source_tokens=512 to 128"):
+    trained = r"the trained model's position tables read at most 128 positions: lowered --data.max_source_tokens=512 to"
+    with pytest.warns(UserWarning, match=trained):
         main(["predict", *args, "--model.num_beams=1", "--data.init_args.max_source_tokens=512"])
     assert len(output.read_text(encoding="utf-8").splitlines()) == 2
     # The typed value reaches the module: one that does not fit the checkpoint's max_len=128 is refused.

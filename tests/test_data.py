@@ -586,6 +586,10 @@ def test_target_limits_follow_a_shorter_decoder_table() -> None:
     ):
         dm.fit_context(128, 16)
     assert (dm.collator.max_source_tokens, dm.collator.max_target_tokens) == (64, 17)
+    dm = TranslationDataModule(demo_size=300, bpe_vocab_size=300, max_source_tokens=256, max_target_tokens=64)
+    trained = r"^the trained model's position tables read at most 128 and 16 positions: lowered --data.max_source_"
+    with pytest.warns(UserWarning, match=trained + r"tokens=256 to 128, --data.max_target_tokens=64 to 17$"):
+        dm.fit_context(128, 16, trained=True)  # a checkpoint's or a pretrained folder's tables: nothing to raise
 
 
 def test_a_file_with_nul_bytes_is_read_with_one_warning(tmp_path: Path) -> None:

@@ -212,7 +212,9 @@ class TorchHandleCLI(LightningCLI):
     @override
     def after_instantiate_classes(self) -> None:
         """The data's length limits follow the model's context, and a checkpoint's vocabulary must be the data's."""
-        self.datamodule.fit_context(self.model.config.context_length, self.model.config.target_length)
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        trained = bool(config.get("ckpt_path") or config.get("model.init_from"))  # tables the weights fix
+        self.datamodule.fit_context(self.model.config.context_length, self.model.config.target_length, trained)
         vocab_size = getattr(self, "checkpoint_vocab_size", None)
         if vocab_size is not None and vocab_size != self.model.hparams.vocab_size:
             raise CheckpointError(

@@ -96,12 +96,13 @@ class Seq2SeqDataModule(LightningDataModule, ABC):
         self._datasets: dict[Split, ExampleDataset | None] = {}
         self._pretokenized: PretokenizedDataset | None = None
 
-    def fit_context(self, context_length: int | None, target_length: int | None = None) -> None:
+    def fit_context(self, context_length: int | None, target_length: int | None = None, trained: bool = False) -> None:
         """Lowers the length limits to a model whose encoder reads at most ``context_length`` positions and whose
         decoder reads ``target_length`` (None: as many as the encoder; both None: any).
 
         Longer texts are then cut (with a warning) or refused by the ``truncation`` policy, in ``setup()``,
         instead of failing inside the model. A decoder reads ``<bos>`` and the target but not its ``<eos>``.
+        ``trained``: the model's weights exist (a checkpoint, ``init_from``), so its tables cannot be raised.
         """
         target_length = target_length or context_length
         limits = {"max_source_tokens": context_length, "max_target_tokens": target_length and target_length + 1}
@@ -109,11 +110,15 @@ class Seq2SeqDataModule(LightningDataModule, ABC):
         if not over:
             return
         lowered = ", ".join(f"--data.{name}={getattr(self.collator, name)} to {limit}" for name, limit in over.items())
-        table = "max_len" if target_length == context_length else f"max_len={context_length}, max_target_len"
-        rank_zero_warn(
-            f"the model reads at most --model.transformer.{table}={target_length} positions: lowered {lowered}; "
-            "raise them, or use position=rope or alibi, to keep longer texts"
-        )
+        if trained:
+            sizes = f"{context_length}" if target_length == context_length else f"{context_length} and {target_length}"
+            rank_zero_warn(f"the trained model's position tables read at most {sizes} positions: lowered {lowered}")
+        else:
+            table = "max_len" if target_length == context_length else f"max_len={context_length}, max_target_len"
+            rank_zero_warn(
+                f"the model reads at most --model.transformer.{table}={target_length} positions: lowered {lowered}; "
+                "raise them, or use position=rope or alibi, to keep longer texts"
+            )
         self.collator = dataclasses.replace(self.collator, **over)
         self._datasets = {}
 
