@@ -20,10 +20,13 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
+from conftest import tiny_config
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch.utils.data import DataLoader
 
 import torch_handle
 from tests.helpers import check, cli, fit_args
@@ -33,6 +36,7 @@ from torch_handle.checkpoints import CheckpointError, check_checkpoint
 from torch_handle.export import exported as reading
 from torch_handle.export import write
 from torch_handle.export.__main__ import main as export_main
+from torch_handle.module import Seq2SeqModule
 from torch_handle.strategies import deepspeed, folders, fsdp, model_parallel
 
 ZERO = "checkpoints/last.ckpt/checkpoint"
@@ -160,7 +164,27 @@ def _export(ckpt: Path, tmp_path: Path) -> str:
     return message
 
 
-ENTRY_POINTS = {"check_checkpoint": _check, "load": _load, "export": _export}
+def _load_from_checkpoint(ckpt: Path, tmp_path: Path) -> str:
+    with pytest.raises(CheckpointError) as error:
+        Seq2SeqModule.load_from_checkpoint(ckpt)
+    return str(error.value)
+
+
+def _trainer(ckpt: Path, tmp_path: Path) -> str:
+    """A notebook's ``trainer.validate(..., ckpt_path=...)``, without the Checkpoint callback (nor any command)."""
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    with pytest.raises(CheckpointError) as error:
+        trainer.validate(Seq2SeqModule(tiny_config()), dataloaders=DataLoader([]), ckpt_path=ckpt)
+    return str(error.value)
+
+
+ENTRY_POINTS = {
+    "check_checkpoint": _check,
+    "load": _load,
+    "export": _export,
+    "load_from_checkpoint": _load_from_checkpoint,
+    "trainer": _trainer,
+}
 
 
 @pytest.mark.parametrize("entry", ENTRY_POINTS)

@@ -5,14 +5,17 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from pathlib import Path
+from typing import IO, Any, Literal
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.distributed.tensor import DTensor
-from typing_extensions import override
+from typing_extensions import Self, override
 
+from torch_handle.callbacks.checkpointing import use_checked_io
+from torch_handle.checkpoints import check_checkpoint
 from torch_handle.data.resume import finish_saved_epoch, record_stopped_epoch
 from torch_handle.evaluation import Evaluation
 from torch_handle.loss import compiled_token_sums, token_sums
@@ -246,6 +249,19 @@ class Seq2SeqModule(Evaluation, Optimization, Parallelism):
         total = torch.stack(sums).sum(dim=0) if sums else torch.zeros(3, device=tgt.device)
         loss_sum, nll_sum, tokens = self._pipeline.from_last_stage(total.float())
         return loss_sum, nll_sum, tokens.long()
+
+    @override
+    def setup(self, stage: str) -> None:
+        # A trainer's ckpt_path is checked before any unpickler reads it, with or without the Checkpoint callback.
+        use_checked_io(self.trainer)
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: str | Path | IO, *args: Any, **kwargs: Any) -> Self:  # type: ignore[override]
+        """Lightning's, once :func:`~torch_handle.checkpoints.check_checkpoint` has found nothing in a local
+        ``checkpoint_path`` that could run code (a file object or a remote path is Lightning's alone)."""
+        if isinstance(checkpoint_path, str | Path) and "://" not in str(checkpoint_path):
+            check_checkpoint(checkpoint_path)
+        return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:

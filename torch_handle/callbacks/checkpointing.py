@@ -27,14 +27,15 @@ from typing_extensions import override
 
 from torch_handle.atomic import atomic_path, atomic_write_text, remove_leftovers
 from torch_handle.callbacks.rng import get_rng_states, set_rng_states
-from torch_handle.checkpoints import CONFIG_FILE, TOKENIZER_FILE, CheckpointError
+from torch_handle.checkpoints import CONFIG_FILE, TOKENIZER_FILE, CheckpointError, check_checkpoint
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # preemption, and a user's Ctrl-C
 RNG_KEY = "rng_states"  # one entry per global rank
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Single-file checkpoints written beside their target, fsynced, then renamed into place.
+    """Single-file checkpoints written beside their target, fsynced, then renamed into place; read only once
+    :func:`~torch_handle.checkpoints.check_checkpoint` has found nothing in them that could run code.
 
     Lightning's ``_atomic_save`` stages the file in ``$TMPDIR`` and moves it; when the checkpoint folder is on
     another file system (the usual cluster layout) the move is a copy over the old file, so a kill or a full
@@ -57,6 +58,19 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 f"could not write checkpoint {path} ({err.strerror or err}); the previous checkpoints are kept: "
                 "free space or fix the folder, then rerun the same command with --ckpt_path last"
             ) from err
+
+    @override
+    def load_checkpoint(self, path: _PATH, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        if isinstance(get_filesystem(path), LocalFileSystem):
+            check_checkpoint(path)  # a trainer's ckpt_path from Python, which no command has checked
+        return super().load_checkpoint(path, *args, **kwargs)
+
+
+def use_checked_io(trainer: L.Trainer) -> None:
+    """Makes :class:`AtomicCheckpointIO` the trainer's way to write and read single-file checkpoints, unless the
+    strategy has its own (DeepSpeed's, a user's)."""
+    if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
+        trainer.strategy.checkpoint_io = AtomicCheckpointIO()
 
 
 class Checkpoint(ModelCheckpoint):
@@ -85,8 +99,7 @@ class Checkpoint(ModelCheckpoint):
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # not a user's or DeepSpeed's own
-            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        use_checked_io(trainer)
         if stage == "fit":
             self._remove_unfinished_saves()
 
