@@ -24,7 +24,7 @@ from torch_handle.data.tokenizer import Specials
 from torch_handle.hierarchical import chunk_spans, summarize
 from torch_handle.lightning_cli import TorchHandleCLI
 from torch_handle.metrics import ROUGE_KEYS, Rouge, split_sentences
-from torch_handle.model import Transformer, generate
+from torch_handle.model import ConfigError, Transformer, generate
 from torch_handle.model.logits import DecodingControls
 from torch_handle.module import Seq2SeqModule
 
@@ -151,6 +151,25 @@ def test_a_document_that_fits_is_summarized_directly() -> None:
     )
     assert summary == "5 6 7"
     assert model.sources == [[5, 6, 7, 8]]
+
+
+def test_an_overlap_the_windows_cannot_hold_is_one_line_naming_it() -> None:
+    model, refused = _ScriptedSummarizer(summary_tokens=3), r"^overlap=16 does not fit the 16-token windows .* 15$"
+    with pytest.raises(ConfigError, match=refused):
+        summarize(model, _WordTokenizer(), "5 6", max_source_tokens=17, overlap=16, generate_fn=model.generate_fn(4))
+
+
+def test_a_chunk_overlap_the_data_leaves_no_room_for_is_refused_before_training(tmp_path: Path) -> None:
+    """The default ``chunk_overlap`` (256) with a 256-token source length: refused when the trainer sets up, not
+    by ``test`` after training."""
+    rows = [{"document": "a b c d", "summary": "a b"}] * 4
+    data = SummarizationDataModule(
+        train_file=str(_write_jsonl(tmp_path / "train.jsonl", rows)), bpe_vocab_size=300, max_source_tokens=256
+    )
+    module = _tiny_module(300, chunk_overlap=256)
+    with pytest.raises(ConfigError, match=r"^chunk_overlap=256 does not fit the 255-token windows .* at most 254$"):
+        _trainer(max_steps=1).fit(module, datamodule=data)
+    assert module.global_step == 0
 
 
 # --- real data: the longest QMSum meeting end to end, and the Lead baseline --------------------------------

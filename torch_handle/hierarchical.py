@@ -14,12 +14,27 @@ from torch import Tensor
 
 from torch_handle.data.batching import Collator, Example
 from torch_handle.data.tokenizer import Tokenizer
-from torch_handle.model import Transformer, generate
+from torch_handle.model import ConfigError, Transformer, generate
 from torch_handle.model.logits import DecodingControls
 
 log = logging.getLogger(__name__)
 
 SEPARATOR = "\n"  # between window summaries: a sentence break, as ``rougeLsum`` splits them
+
+
+def window_tokens(max_source_tokens: int, tokenizer: Tokenizer) -> int:
+    """The document tokens one window holds: the source length less ``<eos>`` and a pretrained tokenizer's prefix
+    (BART's and LED's ``<s>``)."""
+    return max_source_tokens - 1 - len(tokenizer.specials.source_prefix)
+
+
+def check_overlap(overlap: int, window: int, name: str = "overlap") -> None:
+    """Refuses an ``overlap`` with which windows of ``window`` tokens would not advance, naming the option."""
+    if window >= 1 and not 0 <= overlap < window:
+        raise ConfigError(
+            f"{name}={overlap} does not fit the {window}-token windows a long document is read in (the source "
+            f"length less <eos>): set {name} to at most {window - 1}"
+        )
 
 
 def chunk_spans(length: int, max_tokens: int, overlap: int) -> list[tuple[int, int]]:
@@ -140,10 +155,11 @@ def summarize(
         The summary, without special tokens.
     """
     # The model's input ends in <eos>, after a pretrained tokenizer's prefix (BART's and LED's <s>).
-    limit = max_source_tokens - 1 - len(tokenizer.specials.source_prefix)
+    limit = window_tokens(max_source_tokens, tokenizer)
     if max_levels < 0:
         raise ValueError(f"max_levels must be >= 0, got {max_levels}")
-    chunk_spans(0, limit, overlap)  # validates limit and overlap before any decoding
+    check_overlap(overlap, limit)
+    chunk_spans(0, limit, overlap)  # validates the window before any decoding
     decode = {
         "max_new_tokens": max_new_tokens,
         "num_beams": num_beams,
