@@ -16,7 +16,7 @@ from torch_handle.export import load_exported
 from torch_handle.model import CompiledDecode, ConfigError, TransformerConfig
 from torch_handle.model.generation import generate
 from torch_handle.module import Seq2SeqModule
-from torch_handle.parallel.parallelize import ParallelPlan, check_plan
+from torch_handle.parallel.parallelize import check_sizes
 from torch_handle.pretrained import pretrained_tokenizer
 from torch_handle.pretrained.writer import hf_family
 
@@ -110,16 +110,14 @@ def test_static_cache_steps_with_copy_decode_as_the_eager_ones(num_beams: int) -
     assert torch.equal(generate(model, src, 10, num_beams, cuda_graph=True), generate(model, src, 10, num_beams))
 
 
-def test_what_cannot_hold_a_copy_distribution_refuses_it_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_what_cannot_hold_a_copy_distribution_refuses_it_in_one_line() -> None:
     config = _copying().config
     assert hf_family(config) == (
         None, "copy_attention=True: no Hugging Face family has a copy distribution; export --format safetensors"
     )  # fmt: skip
-    for size in ("tensor_parallel_size", "pipeline_size"):
-        monkeypatch.setattr(ParallelPlan, size, property(lambda plan: 2))
+    for pipeline_size, tensor_parallel_size in ((1, 2), (2, 1)):
         with pytest.raises(SetupError, match="^--model.transformer.copy_attention mixes .* not tensor or pipeline"):
-            check_plan(config, ParallelPlan())
-        monkeypatch.undo()
+            check_sizes(config, pipeline_size, tensor_parallel_size, None)
 
 
 def test_a_pretrained_model_gains_copy_attention_and_starts_as_it_was(tmp_path: Path) -> None:

@@ -228,7 +228,7 @@ def test_interleaving_one_stage_per_process_is_one_line_before_the_run_folder(tm
         "process and the other schedules one; set --trainer.strategy.init_args.stages_per_rank 2 (or more) with "
         "interleaved_1f1b, 1 otherwise"
     )
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock"]
+    assert run.stderr.count("error:") == 1 and not any(tmp_path.iterdir())  # no process started, nothing written
 
 
 @pytest.mark.slow
@@ -259,7 +259,7 @@ def test_decoding_in_validation_under_a_pipeline_is_one_line(tmp_path: Path) -> 
         "error: --model.generate_every_n_val_epochs=1: a pipeline cannot run beam search (test and predict decode "
         "with every process as a replica): set --model.generate_every_n_val_epochs 0"
     )
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock"]  # no run folder, no config.yaml
+    assert run.stderr.count("error:") == 1 and not any(tmp_path.iterdir())  # no process started, nothing written
 
 
 @pytest.mark.slow

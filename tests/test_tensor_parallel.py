@@ -22,6 +22,7 @@ from tests.tensor_parallel_worker import CASES, STEPS
 from torch_handle.errors import SetupError
 from torch_handle.model import Transformer, TransformerConfig
 from torch_handle.parallel import apply_tensor_parallel
+from torch_handle.strategies import ModelParallelStrategy
 
 TOLERANCE = 1e-5  # fp32, absolute: loss, every gradient and the weights after the steps, against one process
 
@@ -179,10 +180,27 @@ def test_a_mesh_that_does_not_multiply_out_is_one_line(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_heads_that_do_not_divide_are_one_line_before_the_run_folder(tmp_path: Path) -> None:
-    """Checked when the strategy lays out its mesh: no run folder, no config.yaml left behind."""
+    """Checked before the command starts any process: one line, printed once, and nothing written."""
     run = cli(_tp_args(tmp_path, 2, "--model.transformer.num_heads", "1"))
     assert run.returncode != 0 and run.stderr.strip().splitlines()[-1] == (
         "error: tensor_parallel_size=2 must divide transformer.num_heads (1) and transformer.d_ff (64): "
         "choose a tensor_parallel_size that divides both"
     )
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock"]
+    assert run.stderr.count("error:") == 1 and not any(tmp_path.iterdir())  # no process started, nothing written
+
+
+@pytest.mark.parametrize(
+    ("sizes", "devices", "nodes", "mesh"),
+    [
+        ({"tensor_parallel_size": 1}, 2, 1, (2, 1, 1)),  # FSDP2 alone (docs/parallelism.md): data parallel over all
+        ({}, 4, 2, (2, 1, 4)),  # Lightning's default: tensor parallel within a node, FSDP2 across nodes
+        ({"pipeline_parallel_size": 2}, 4, 1, (2, 2, 1)),
+    ],
+    ids=["fsdp2", "default", "pipeline"],
+)
+def test_an_auto_data_parallel_size_takes_the_processes_the_others_leave(
+    sizes: dict[str, int], devices: int, nodes: int, mesh: tuple[int, int, int]
+) -> None:
+    strategy = ModelParallelStrategy(**sizes)
+    strategy.parallel_devices, strategy.num_nodes = [torch.device("cpu")] * devices, nodes
+    assert strategy.mesh_sizes(fitting=True) == mesh

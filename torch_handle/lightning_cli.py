@@ -243,7 +243,9 @@ class TorchHandleCLI(LightningCLI):
             self.save_config_callback = None  # its config.yaml would land in the run folder, over the last one
         if self.subcommand == "predict" and config.prediction_writer.output == STDOUT:
             kwargs["enable_progress_bar"] = False
-        return super().instantiate_trainer(**kwargs)
+        trainer = super().instantiate_trainer(**kwargs)
+        self.model.check_launch(trainer, fitting=self.subcommand in (None, "fit"))  # before any process starts
+        return trainer
 
     def _loggers(self) -> list[Any]:
         """The loggers ``--trainer.logger`` instantiated."""

@@ -16,9 +16,11 @@ from torch_handle.parallel import (
     DATA_PARALLEL,
     ParallelPlan,
     Pipeline,
+    PipelineConfig,
     build_mesh,
+    check_context_size,
     check_float8,
-    check_plan,
+    check_sizes,
     parallelize,
 )
 
@@ -91,23 +93,40 @@ class Parallelism(L.LightningModule):
         """Raises :class:`SetupError` in one line when the plans of the strategy's device mesh cannot apply to this
         model. :class:`~torch_handle.strategies.ModelParallelStrategy` asks as soon as it has laid the mesh out,
         before the run folder is made; :meth:`configure_model` asks again for Lightning's own strategy."""
-        mesh, cp = self._device_mesh, self.context_parallel
-        if mesh is None:
+        if self._device_mesh is None:
             return
+        plan = self._plan()
+        name = type(self.trainer.strategy).__name__
+        self._check_sizes(name, plan.pipeline_size, plan.tensor_parallel_size, plan.pipeline)
+
+    def check_launch(self, trainer: L.Trainer, fitting: bool) -> None:
+        """The same checks from the trainer's settings alone, so that the command refuses an impossible plan in one
+        line before it starts any process (each would print it), and before the run folder is made."""
+        strategy = trainer.strategy
+        sizes = getattr(strategy, "mesh_sizes", None)  # ModelParallelStrategy's (data, pipeline, tensor) sizes
+        if sizes is not None:
+            _, pipeline_size, tensor_parallel_size = sizes(fitting)
+            pipeline = getattr(strategy, "pipeline", None)
+            self._check_sizes(type(strategy).__name__, pipeline_size, tensor_parallel_size, pipeline)
+        elif self.context_parallel > 1:
+            check_context_size(trainer.num_nodes * trainer.num_devices, self.context_parallel)
+
+    def _check_sizes(
+        self, strategy: str, pipeline_size: int, tensor_parallel_size: int, pipeline: PipelineConfig | None
+    ) -> None:
+        cp = self.context_parallel
         if cp > 1:
             raise SetupError(
-                f"--model.context_parallel={cp} lays out its own device mesh, but "
-                f"{type(self.trainer.strategy).__name__} brings another: use it with strategy ddp, fsdp or "
-                "deepspeed, or set --model.context_parallel 1"
+                f"--model.context_parallel={cp} lays out its own device mesh, but {strategy} brings another: use it "
+                "with strategy ddp, fsdp or deepspeed, or set --model.context_parallel 1"
             )
-        plan = self._plan()
-        if plan.pipeline_size > 1 and self.hparams.generate_every_n_val_epochs:
+        if pipeline_size > 1 and self.hparams.generate_every_n_val_epochs:
             raise SetupError(
                 f"--model.generate_every_n_val_epochs={self.hparams.generate_every_n_val_epochs}: a pipeline cannot "
                 "run beam search (test and predict decode with every process as a replica): set "
                 "--model.generate_every_n_val_epochs 0"
             )
-        check_plan(self.model.config, plan)
+        check_sizes(self.model.config, pipeline_size, tensor_parallel_size, pipeline)
 
     def _step_scale(self) -> int:
         """What the backward pass divides a micro-batch's loss by, undone so that the step's mean is per token.

@@ -23,13 +23,18 @@ def build_mesh(world_size: int, context_parallel: int, device_type: str) -> Devi
     Raises:
         SetupError: ``context_parallel`` does not divide ``world_size``.
     """
-    if context_parallel < 1 or world_size % context_parallel:
-        raise SetupError(
-            f"--model.context_parallel={context_parallel} does not divide the {world_size} processes "
-            "(trainer.devices x trainer.num_nodes): choose a context_parallel that divides it"
-        )
+    check_context_size(world_size, context_parallel)
     return init_device_mesh(
         device_type,
         (world_size // context_parallel, context_parallel),
         mesh_dim_names=(DATA_PARALLEL, CONTEXT_PARALLEL),
     )
+
+
+def check_context_size(world_size: int, context_parallel: int) -> None:
+    """Refuses a ``context_parallel`` that does not divide the ``world_size`` processes, in one line."""
+    if context_parallel < 1 or world_size % context_parallel:
+        raise SetupError(
+            f"--model.context_parallel={context_parallel} does not divide the {world_size} processes "
+            "(trainer.devices x trainer.num_nodes): choose a context_parallel that divides it"
+        )

@@ -16,7 +16,7 @@ Activation checkpointing needs no step: the model recomputes each layer it runs 
 plans made of the layer. ``Seq2SeqModule.configure_model`` calls :func:`parallelize` once the processes are
 connected. DeepSpeed's ZeRO-3 wraps the model itself later, so :class:`~torch_handle.strategies.DeepSpeedStrategy`
 makes its units (:func:`~torch_handle.parallel.sharding.set_zero3_units`, the counterpart of step 6) just before
-DeepSpeed installs its hooks. :func:`check_plan` refuses an impossible plan in one line before any of it.
+DeepSpeed installs its hooks. :func:`check_sizes` refuses an impossible plan in one line before any of it.
 """
 
 from __future__ import annotations
@@ -65,19 +65,21 @@ class ParallelPlan:
         return self.mesh[TENSOR_PARALLEL].size() if self.mesh is not None else 1
 
 
-def check_plan(config: TransformerConfig, plan: ParallelPlan) -> None:
-    """Raises a one-line error when the mesh of ``plan`` cannot apply to a model of ``config``: the strategy asks as
-    soon as it has laid its mesh out, before the run folder is made, and :func:`parallelize`'s steps ask again.
-    (Context parallelism, which lays out its own mesh, is checked when the module is built.)"""
-    if config.copy_attention and (plan.pipeline_size > 1 or plan.tensor_parallel_size > 1):
+def check_sizes(
+    config: TransformerConfig, pipeline_size: int, tensor_parallel_size: int, pipeline: PipelineConfig | None
+) -> None:
+    """Raises a one-line error when a mesh of these sizes cannot apply to a model of ``config``: the command asks
+    before it starts any process, the strategy again once it has laid its mesh out. (Context parallelism, which lays
+    out its own mesh, is checked when the module is built.)"""
+    if config.copy_attention and (pipeline_size > 1 or tensor_parallel_size > 1):
         raise SetupError(
             "--model.transformer.copy_attention mixes its copy distribution over the whole vocabulary, beside the "
             "encoder's output: train it with ddp, fsdp or deepspeed, not tensor or pipeline parallelism"
         )
-    if plan.pipeline_size > 1:
-        check_pipeline_parallel(config, plan.pipeline_size, plan.pipeline)
-    if plan.tensor_parallel_size > 1:
-        check_tensor_parallel(config, plan.tensor_parallel_size)
+    if pipeline_size > 1:
+        check_pipeline_parallel(config, pipeline_size, pipeline)
+    if tensor_parallel_size > 1:
+        check_tensor_parallel(config, tensor_parallel_size)
 
 
 def parallelize(model: Transformer, plan: ParallelPlan) -> Pipeline | None:

@@ -90,7 +90,7 @@ class ModelParallelStrategy(_SafeFolders, _LightningModelParallelStrategy):
         self._pipeline_parallel_size = pipeline_parallel_size
         self.pipeline = PipelineConfig(pipeline_schedule, microbatches, stages_per_rank)
 
-    def _sizes(self, fitting: bool) -> tuple[int, int, int]:
+    def mesh_sizes(self, fitting: bool) -> tuple[int, int, int]:
         """``(data_parallel, pipeline_parallel, tensor_parallel)``, checked against the processes in one line. Outside
         ``fit`` a pipeline's processes are data-parallel replicas of the whole model, on any number of devices."""
         dp, tp, pp = self._data_parallel_size, self._tensor_parallel_size, self._pipeline_parallel_size
@@ -105,7 +105,7 @@ class ModelParallelStrategy(_SafeFolders, _LightningModelParallelStrategy):
         if tp == "auto":
             tp = 1 if pp > 1 else self.num_processes
         if dp == "auto":
-            dp = world // (pp * tp) if pp > 1 else self.num_nodes
+            dp = world // (pp * tp)
         if dp * pp * tp != world:
             raise SetupError(
                 f"data_parallel_size={dp} x pipeline_parallel_size={pp} x tensor_parallel_size={tp} must equal the "
@@ -124,7 +124,7 @@ class ModelParallelStrategy(_SafeFolders, _LightningModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         fitting = self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        sizes = self._sizes(fitting)
+        sizes = self.mesh_sizes(fitting)
         self._setup_distributed()
         self._device_mesh = init_device_mesh(
             self.root_device.type, sizes, mesh_dim_names=(DATA_PARALLEL, PIPELINE_PARALLEL, TENSOR_PARALLEL)
