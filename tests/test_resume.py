@@ -27,8 +27,10 @@ from tests.helpers import (
     STRATEGY_CONFIGS,
     check,
     cli,
+    csv_logger,
     env,
     fit_args,
+    logged,
     reference_args,
     reference_run,
     train_losses,
@@ -250,6 +252,15 @@ def test_sigterm_and_ctrl_c_mid_epoch_save_then_resume_bit_identically_with_drop
     for name, tensor in want.items():
         assert torch.equal(weights(stopped)[name], tensor), name
     assert logging_step(stopped) == logging_step(reference)
+
+
+@pytest.mark.slow
+def test_the_step_a_sigterm_stops_at_is_logged(tmp_path: Path) -> None:
+    """Lightning logs a step's metrics after its batch-end hooks, where the stop is taken: the last trained step
+    reached the checkpoint but not the loggers."""
+    run = interrupted([*demo_args(1, tmp_path), *csv_logger(tmp_path)], TORCH_HANDLE_TEST_SIGTERM_AT_STEP="4")
+    assert run.returncode == 143, run.stderr[-3000:]
+    assert len(logged(tmp_path, "train/loss")) == 4
 
 
 @pytest.mark.slow

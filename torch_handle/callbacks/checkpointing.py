@@ -239,6 +239,8 @@ class Checkpoint(ModelCheckpoint):
         self, trainer: L.Trainer, signum: signal.Signals, exception: SystemExit | None = None
     ) -> None:
         """Saves ``last.ckpt`` and ends the job with the status a shell reports for a process ended by ``signum``."""
+        if exception is None:  # at a batch's end: its metrics, which Lightning logs after this hook, go to the loggers
+            trainer._logger_connector.update_train_step_metrics()
         if trainer.global_step != self._last_global_step_saved or not self.last_model_path:
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
         if trainer.is_global_zero:  # written as is: a library may have given the root logger a prefix
