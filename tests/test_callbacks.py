@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+from unittest.mock import Mock
 
 import lightning as L
 import pytest
@@ -139,3 +141,28 @@ def test_random_states_of_another_process_count_warn_only_when_training(
         ["the checkpoint holds the random states of 1 processes, this run has 2: training continues, but dropout will "
          "not repeat the original run's"] if fn == "fit" else []
     )  # fmt: skip
+
+
+def test_from_python_a_stop_names_fit_and_a_second_ctrl_c_spares_the_kernel(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """In a notebook the line names ``fit``'s ``ckpt_path``, not the command's option, and the second Ctrl-C raises
+    ``KeyboardInterrupt`` where a command's takes the kernel's default action (which would end a notebook's kernel)."""
+    callback, previous = Checkpoint(dirpath=tmp_path), signal.getsignal(signal.SIGINT)
+    try:
+        callback._on_stop_signal(signal.SIGINT, None)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        callback.in_a_command = True
+        callback._on_stop_signal(signal.SIGINT, None)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    last = str(tmp_path / "last.ckpt")
+    trainer = SimpleNamespace(global_step=8, is_global_zero=True, _logger_connector=Mock())
+    callback._last_global_step_saved, callback.last_model_path = 8, last  # saved at this step already
+    for in_a_command, resume in ((False, f'call fit again with ckpt_path="{last}"'), (True, "rerun the same command")):
+        callback.in_a_command = in_a_command
+        with pytest.raises(SystemExit) as stop:
+            callback._save_and_exit_on_signal(trainer, signal.SIGINT)
+        assert stop.value.code == 130
+        assert capsys.readouterr().err.startswith(f"stopped by SIGINT at step 8: saved {last}; {resume}")

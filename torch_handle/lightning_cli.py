@@ -245,6 +245,9 @@ class TorchHandleCLI(LightningCLI):
             kwargs["enable_progress_bar"] = False
         trainer = super().instantiate_trainer(**kwargs)
         self.model.check_launch(trainer, fitting=self.subcommand in (None, "fit"))  # before any process starts
+        for callback in trainer.checkpoint_callbacks:
+            if isinstance(callback, Checkpoint):
+                callback.in_a_command = True
         return trainer
 
     def _loggers(self) -> list[Any]:

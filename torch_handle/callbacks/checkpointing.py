@@ -84,7 +84,8 @@ class Checkpoint(ModelCheckpoint):
       would wait for the first validation); the top-k save still waits for it.
     - On SIGTERM (preemption) or SIGINT (Ctrl-C) every process saves ``last.ckpt`` at the end of the same step,
       then the job exits with the status a shell gives that signal (143, 130); rerunning with ``--ckpt_path last``
-      continues from there. A second Ctrl-C ends the job at once, saving nothing more.
+      continues from there. A second Ctrl-C ends the job at once, saving nothing more. From Python (a notebook),
+      ``fit`` raises ``SystemExit`` with that status, and a second Ctrl-C raises ``KeyboardInterrupt``.
     - Each process's random state (dropout) is saved and restored, so a resumed run draws what the
       uninterrupted one would have.
     - ``last.ckpt`` is also written when training ends between two scheduled saves, so it is always the end
@@ -95,6 +96,7 @@ class Checkpoint(ModelCheckpoint):
     _resumed_from: str | None = None  # the checkpoint this run restores, known before its state is loaded
     _stop_signal: signal.Signals | None = None  # set by the signal handler during training
     _announces = False  # whether this process says what a Ctrl-C does (global rank 0)
+    in_a_command = False  # set by the command line: a stop ends the process; from Python (a notebook) it ends fit
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -128,8 +130,9 @@ class Checkpoint(ModelCheckpoint):
         self._stop_signal = signal.Signals(signum)
         if signum != signal.SIGINT:
             return
-        # The kernel's default action, not Python's: it ends a process blocked in a collective or a save too.
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        # A command's second Ctrl-C takes the kernel's default action, which ends a process blocked in a collective
+        # or a save too; from Python it raises KeyboardInterrupt, which leaves a notebook's kernel and its state alive.
+        signal.signal(signal.SIGINT, signal.SIG_DFL if self.in_a_command else signal.default_int_handler)
         if self._announces:
             sys.stderr.write("Ctrl-C: saving at the end of this step, then stopping; Ctrl-C again stops at once\n")
 
@@ -244,9 +247,14 @@ class Checkpoint(ModelCheckpoint):
         if trainer.global_step != self._last_global_step_saved or not self.last_model_path:
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
         if trainer.is_global_zero:  # written as is: a library may have given the root logger a prefix
+            resume = (
+                "rerun the same command with --ckpt_path last"
+                if self.in_a_command
+                else f'call fit again with ckpt_path="{self.last_model_path}"'
+            )
             sys.stderr.write(
-                f"stopped by {signum.name} at step {trainer.global_step}: saved {self.last_model_path}; rerun the "
-                "same command with --ckpt_path last to continue\n"
+                f"stopped by {signum.name} at step {trainer.global_step}: saved {self.last_model_path}; {resume} to "
+                "continue\n"
             )
         if exception is not None:
             exception.code = 128 + signum
