@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import TINY_MODEL_ARGS, requires_cuda
@@ -166,6 +167,16 @@ def test_translate_and_summarize_take_decoding_controls_by_name(exported: Path) 
     )
     with pytest.raises(TypeError, match=r"^unknown decoding options \['top_q'\]: the controls are \['do_sample', "):
         model.translate("a cat", top_q=0.9)
+    wrong = r"^decoding options of the wrong type: num_beams='2', top_p='0.9': pass numbers \(num_beams=4\)$"
+    with pytest.raises(TypeError, match=wrong):  # one line naming each, not "'>' not supported between str and int"
+        model.translate("a cat", num_beams="2", top_p="0.9")
+    with pytest.raises(TypeError, match=r"^decoding options of the wrong type: max_new_tokens=5.5: "):
+        model.summarize("a cat", max_new_tokens=5.5)
+    with pytest.raises(TypeError, match=r"^overlap='16': pass an integer number of tokens$"):
+        model.summarize("a cat", overlap="16")
+    with pytest.raises(ValueError, match=r"^batch_size must be an integer >= 1, got '8'$"):
+        model.translate("a cat", batch_size="8")
+    assert model.translate(SENTENCES, num_beams=np.int64(2)) == model.translate(SENTENCES, num_beams=2)
 
 
 def test_translate_cuts_a_text_longer_than_the_model_context_with_a_warning(

@@ -13,7 +13,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, get_type_hints
 
 import torch
 
@@ -21,6 +21,7 @@ from torch_handle.checkpoints import CheckpointError
 from torch_handle.data.tokenizer import Tokenizer
 from torch_handle.errors import SetupError
 from torch_handle.export import Decoding, empty_model, exported_decoding, is_exported, load_exported
+from torch_handle.export.exported import has_type
 from torch_handle.hierarchical import generate_summaries, summarize
 from torch_handle.model import CompiledDecode, Transformer, generate
 from torch_handle.model.logits import DecodingControls
@@ -31,6 +32,7 @@ from torch_handle.pretrained.trained import KINDS, read_trained
 from torch_handle.quantize import quantize as quantize_model
 
 log = logging.getLogger(__name__)
+_OPTION_TYPES = get_type_hints(Decoding) | get_type_hints(DecodingControls)  # each decoding option's type
 
 
 class Model:
@@ -128,6 +130,8 @@ class Model:
             One summary per document in input order (a string for a string), as :meth:`translate`.
         """
         single, documents = isinstance(documents, str), [documents] if isinstance(documents, str) else list(documents)
+        if overlap is not None and not has_type(overlap, int):
+            raise TypeError(f"overlap={overlap!r}: pass an integer number of tokens")
         limit = self._source_limit()
         ids = self.tokenizer.encode_batch(documents) if documents else []
         short = [i for i, row in enumerate(ids) if len(row) <= limit]
@@ -165,6 +169,10 @@ class Model:
         unknown = sorted(set(controls) - names)
         if unknown:
             raise TypeError(f"unknown decoding options {unknown}: the controls are {sorted(names)}")
+        given = {"num_beams": num_beams, "max_new_tokens": max_new_tokens, "length_penalty": length_penalty} | controls
+        wrong = [f"{k}={v!r}" for k, v in given.items() if v is not None and not has_type(v, _OPTION_TYPES[k])]
+        if wrong:
+            raise TypeError(f"decoding options of the wrong type: {', '.join(wrong)}: pass numbers (num_beams=4)")
         options = {
             "num_beams": d.num_beams if num_beams is None else num_beams,
             "max_new_tokens": d.max_new_tokens if max_new_tokens is None else max_new_tokens,
@@ -180,8 +188,8 @@ class Model:
         return options
 
     def _generate(self, sources: list[list[int]], options: dict[str, Any], batch_size: int) -> list[str]:
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if not has_type(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         if not sources:
             return []
         generate_fn = self._generate_fn(options, pad_to=batch_size if len(sources) > batch_size else None)

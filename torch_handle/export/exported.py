@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -233,10 +234,10 @@ def has_type(value: Any, hint: Any) -> bool:
         return any(has_type(value, option) for option in get_args(hint))
     if hint is type(None):
         return value is None
-    if hint is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is float:  # numbers' classes: numpy's scalars too, for a value given from Python
+        return isinstance(value, numbers.Real) and not isinstance(value, bool)
     if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
     return isinstance(value, hint)
 
 
