@@ -27,7 +27,7 @@ from torch_handle.cli import main
 from torch_handle.errors import SetupError
 from torch_handle.export import Decoding, export
 from torch_handle.hierarchical import generate_summaries, summarize
-from torch_handle.model import CompiledDecode, Transformer, TransformerConfig
+from torch_handle.model import CompiledDecode, ConfigError, Transformer, TransformerConfig
 from torch_handle.model.logits import DecodingControls
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -150,6 +150,15 @@ def test_summarize_goes_hierarchical_on_a_long_document_as_torch_handle_summariz
     want = [summarize(model.model, model.tokenizer, text, **options) for text in (document, SENTENCES[0])]
     assert summaries == want
     assert model.summarize(document, batch_size=2) == want[0]
+    # A stored overlap the windows cannot hold (a translation run's default 256 at 64 tokens): a quarter of the
+    # 63-token window, with a warning, where it failed; one passed here is the caller's, and refused if it does not fit.
+    model.decoding = dataclasses.replace(model.decoding, chunk_overlap=256)
+    with caplog.at_level(logging.WARNING, logger="torch_handle.hierarchical"):
+        fitted = model.summarize(document, batch_size=2)
+    assert "chunk_overlap=256 does not fit the 63-token windows of a long document: using 15" in caplog.text
+    assert fitted == summarize(model.model, model.tokenizer, document, **(options | {"overlap": 15}))
+    with pytest.raises(ConfigError, match=r"^overlap=63 does not fit the 63-token windows "):
+        model.summarize(document, overlap=63)
 
 
 def test_translate_and_summarize_take_decoding_controls_by_name(exported: Path) -> None:

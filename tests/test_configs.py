@@ -68,7 +68,6 @@ def test_config_parses_and_instantiates(
     monkeypatch.chdir(tmp_path)  # data paths in configs are relative to the working directory
     if init_from is not None:  # such a config then trains for two steps, on batches the stand-in runs quickly
         args += ["--trainer.max_steps=2", "--trainer.limit_val_batches=1", "--data.init_args.max_tokens=1024"]
-        args += ["--model.chunk_overlap=16"]  # the stand-in's positions are far fewer than the overlap of a real one
     cli = TorchHandleCLI(
         Seq2SeqModule,
         Seq2SeqDataModule,

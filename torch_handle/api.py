@@ -22,7 +22,7 @@ from torch_handle.data.tokenizer import Tokenizer
 from torch_handle.errors import SetupError
 from torch_handle.export import Decoding, empty_model, exported_decoding, is_exported, load_exported
 from torch_handle.export.exported import has_type
-from torch_handle.hierarchical import generate_summaries, summarize
+from torch_handle.hierarchical import fitted_overlap, generate_summaries, summarize, window_tokens
 from torch_handle.model import CompiledDecode, Transformer, generate
 from torch_handle.model.logits import DecodingControls
 from torch_handle.model.steps import cpu_decoding_layout
@@ -140,11 +140,9 @@ class Model:
         summaries = self._generate([ids[i] for i in short], decoding, batch_size)
         for i, text in zip(short, summaries, strict=True):
             out[i] = text
-        options = {
-            **self.decoding.summarize_options(),
-            **decoding,
-            **({} if overlap is None else {"overlap": overlap}),
-        }
+        options = {**self.decoding.summarize_options(), **decoding}
+        window = window_tokens(options["max_source_tokens"], self.tokenizer)
+        options["overlap"] = fitted_overlap(options["overlap"], window) if overlap is None else overlap
         for i in (i for i, row in enumerate(ids) if len(row) > limit):
             generate_fn = self._generate_fn(options, pad_to=batch_size)  # windows, then their summaries
             out[i] = summarize(

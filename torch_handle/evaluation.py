@@ -68,6 +68,7 @@ class Evaluation(L.LightningModule):
     _pipeline: Pipeline | None
     _decoded: set[str]
     _naive_ratio: float | None
+    chunk_overlap: int  # hparams' chunk_overlap, fitted in setup to the data's windows
     _loss: Callable[..., tuple[Tensor, Tensor, Tensor]]
     _pipelined: Callable[..., tuple[Tensor, Tensor, Tensor]]
 
@@ -282,7 +283,7 @@ class Evaluation(L.LightningModule):
                 self.tokenizer,
                 batch["src_text"][i],
                 max_source_tokens=self.trainer.datamodule.collator.max_source_tokens,
-                overlap=self.hparams.chunk_overlap,
+                overlap=self.chunk_overlap,  # fitted to the windows in setup
                 max_new_tokens=self.hparams.max_new_tokens,
                 num_beams=self.hparams.num_beams,
                 length_penalty=self.hparams.length_penalty,

@@ -37,6 +37,16 @@ def check_overlap(overlap: int, window: int, name: str = "overlap") -> None:
         )
 
 
+def fitted_overlap(overlap: int, window: int, name: str = "chunk_overlap") -> int:
+    """``overlap``, or a quarter of the window, with a warning, when ``overlap`` leaves windows of ``window`` tokens no
+    room to advance (a setting made for longer sources, as a config's run at a smaller source length)."""
+    if window < 1 or 0 <= overlap < window:
+        return overlap
+    fitted = window // 4
+    log.warning("%s=%d does not fit the %d-token windows of a long document: using %d", name, overlap, window, fitted)
+    return fitted
+
+
 def chunk_spans(length: int, max_tokens: int, overlap: int) -> list[tuple[int, int]]:
     """``[start, end)`` windows of at most ``max_tokens`` that cover ``range(length)``.
 

@@ -18,7 +18,7 @@ from torch_handle.callbacks.checkpointing import use_checked_io
 from torch_handle.checkpoints import check_checkpoint
 from torch_handle.data.resume import finish_saved_epoch, record_stopped_epoch
 from torch_handle.evaluation import Evaluation
-from torch_handle.hierarchical import check_overlap, window_tokens
+from torch_handle.hierarchical import fitted_overlap, window_tokens
 from torch_handle.loss import compiled_token_sums, token_sums
 from torch_handle.model import ConfigError, Transformer, TransformerConfig
 from torch_handle.model.logits import DecodingControls
@@ -180,6 +180,7 @@ class Seq2SeqModule(Evaluation, Optimization, Parallelism):
         self.eval_metrics = torch.nn.ModuleDict({stage: self._new_metrics(stage) for stage in ("val", "test")})
         self._decoded: set[str] = set()  # stages that decoded in their current epoch
         self._naive_ratio: float | None = None  # this test's naive-baseline ratio (see ``naive_ratio``)
+        self.chunk_overlap = chunk_overlap  # fitted to the data's windows in setup
         self._parallelized = False  # configure_model applied the parallelisation plans
         self._pipeline: Pipeline | None = None  # this process's pipeline stages, under pipeline parallelism
 
@@ -255,12 +256,12 @@ class Seq2SeqModule(Evaluation, Optimization, Parallelism):
     def setup(self, stage: str) -> None:
         # A trainer's ckpt_path is checked before any unpickler reads it, with or without the Checkpoint callback.
         use_checked_io(self.trainer)
-        # The windows of a long document must advance: refused before training, not when test first needs them.
-        data = self.trainer.datamodule
+        # The windows of a long document must advance: said before training, not when test first reads them.
+        data, self.chunk_overlap = self.trainer.datamodule, self.hparams.chunk_overlap
         if self.hparams.task == "summarization" and self.hparams.long_documents == "windows" and data is not None:
             if hasattr(data, "collator") and hasattr(data, "tokenizer"):
                 window = window_tokens(data.collator.max_source_tokens, data.tokenizer)
-                check_overlap(self.hparams.chunk_overlap, window, "chunk_overlap")
+                self.chunk_overlap = fitted_overlap(self.hparams.chunk_overlap, window)
 
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path: str | Path | IO, *args: Any, **kwargs: Any) -> Self:  # type: ignore[override]
