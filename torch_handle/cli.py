@@ -220,12 +220,14 @@ def command() -> None:
         sys.stderr.flush()
         _leave_process_group()
         sys.exit(1)
+    _leave_process_group()
 
 
 def _leave_process_group() -> None:
-    """Destroys the process group that a launch failing in setup leaves behind: torn down at interpreter exit
-    instead, its threads could end the process with C++'s "terminate called without an active exception" after
-    the error line (seen once, refusing context parallelism under ModelParallelStrategy on 2 processes)."""
+    """Destroys the process group that a launch leaves behind, finished or failing in setup: torn down at
+    interpreter exit instead, its threads could end the process with C++'s "terminate called without an active
+    exception" (seen after an error line refusing context parallelism under ModelParallelStrategy, and after a
+    finished ZeRO-3 fit on 2 processes, each once)."""
     import torch.distributed as dist  # only a launch that got this far has one
 
     if dist.is_available() and dist.is_initialized():
