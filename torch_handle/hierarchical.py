@@ -28,22 +28,24 @@ def window_tokens(max_source_tokens: int, tokenizer: Tokenizer) -> int:
     return max_source_tokens - 1 - len(tokenizer.specials.source_prefix)
 
 
-def check_overlap(overlap: int, window: int, name: str = "overlap") -> None:
+def check_overlap(overlap: int, window: int) -> None:
     """Refuses an ``overlap`` with which windows of ``window`` tokens would not advance, naming the option."""
     if window >= 1 and not 0 <= overlap < window:
         raise ConfigError(
-            f"{name}={overlap} does not fit the {window}-token windows a long document is read in (the source "
-            f"length less <eos>): set {name} to at most {window - 1}"
+            f"overlap={overlap} does not fit the {window}-token windows a long document is read in (the source "
+            f"length less <eos>): set overlap to at most {window - 1}"
         )
 
 
-def fitted_overlap(overlap: int, window: int, name: str = "chunk_overlap") -> int:
+def fitted_overlap(overlap: int, window: int) -> int:
     """``overlap``, or a quarter of the window, with a warning, when ``overlap`` leaves windows of ``window`` tokens no
     room to advance (a setting made for longer sources, as a config's run at a smaller source length)."""
     if window < 1 or 0 <= overlap < window:
         return overlap
     fitted = window // 4
-    log.warning("%s=%d does not fit the %d-token windows of a long document: using %d", name, overlap, window, fitted)
+    log.warning(
+        "chunk_overlap=%d does not fit the %d-token windows of a long document: using %d", overlap, window, fitted
+    )
     return fitted
 
 
